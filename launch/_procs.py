@@ -1,0 +1,77 @@
+"""Process plumbing shared by the local cluster helper and the launcher.
+
+Every task runs in its own session (process group), so stopping a task stops
+everything it started, and no process outlives the helper that started it.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+__all__ = ["describe_exit", "free_ports", "start", "stop"]
+
+
+def free_ports(count, host="127.0.0.1"):
+    """Returns `count` distinct TCP ports that were free on `host` a moment ago."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def start(argv, *, env, log_file, cwd=None):
+    """Starts `argv` in a new process group with stdout+stderr into `log_file`."""
+    return subprocess.Popen(
+        argv,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _signal_group(proc, sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop(procs, grace_seconds=5.0):
+    """Terminates the process groups of `procs`, then kills what is left after the grace period."""
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        # SIGKILL the whole group even when the leader has exited: its children may not have.
+        _signal_group(p, signal.SIGKILL)
+        if p.poll() is None:
+            p.wait()
+
+
+def describe_exit(returncode):
+    """'exit code 3' or 'signal SIGKILL' for a Popen returncode."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"

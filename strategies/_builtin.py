@@ -1,0 +1,244 @@
+"""`get(name, **options)`: the real tf.distribute strategies, configured well."""
+
+import inspect
+import json
+import logging
+import os
+import socket
+import urllib.parse
+
+import tensorflow as tf
+from tfscale.strategies._devices import cpu_device_names, split_cpu
+from tfscale.strategies._errors import StrategyError
+
+__all__ = ["NAMES", "get"]
+
+_log = logging.getLogger("tfscale")
+
+_CROSS_DEVICE_OPS = {
+    "nccl": tf.distribute.NcclAllReduce,
+    "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
+    "reduction_to_one_device": tf.distribute.ReductionToOneDevice,
+}
+_COMMUNICATION = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+_TPU_ENV_VARS = ("TPU_NAME", "KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS")
+_TPU_PROBE_SECONDS = 5.0
+
+
+def _choice(argument, value, choices):
+    if value not in choices:
+        raise StrategyError(
+            f"Invalid value for argument `{argument}`. Received: {argument}={value!r}. "
+            f"Expected one of {sorted(choices)}."
+        )
+    return value
+
+
+def _num_gpus():
+    return len(tf.config.list_physical_devices("GPU"))
+
+
+def _default():
+    return tf.distribute.get_strategy()
+
+
+def _one_device(*, device=None):
+    if device is None:
+        device = "/gpu:0" if _num_gpus() else "/cpu:0"
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except (ValueError, TypeError):
+        spec = None
+    if spec is None or spec.device_type is None:
+        raise StrategyError(
+            f"Invalid value for argument `device`. Received: device={device!r}. "
+            "Expected a device name such as '/cpu:0' or '/gpu:1'."
+        )
+    return tf.distribute.OneDeviceStrategy(device)
+
+
+def _mirrored(*, devices=None, num_gpus=None, cross_device_ops=None, cpu_replicas=None):
+    exclusive = (("devices", devices), ("num_gpus", num_gpus), ("cpu_replicas", cpu_replicas))
+    given = [k for k, v in exclusive if v is not None]
+    if len(given) > 1:
+        raise StrategyError(
+            f"Arguments {', '.join(f'`{g}`' for g in given)} of strategy 'mirrored' exclude "
+            "each other. Expected at most one of `devices`, `num_gpus`, `cpu_replicas`."
+        )
+    if num_gpus is not None:
+        available = _num_gpus()
+        if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or not 0 < num_gpus <= available:
+            raise StrategyError(
+                f"Invalid value for argument `num_gpus`. Received: num_gpus={num_gpus!r}. "
+                f"Expected an integer from 1 to the {available} GPU(s) visible here."
+            )
+        devices = [f"/gpu:{i}" for i in range(num_gpus)]
+    if cpu_replicas is not None:
+        devices = split_cpu(cpu_replicas)
+    ops = None
+    if cross_device_ops is not None:
+        _choice("cross_device_ops", cross_device_ops, _CROSS_DEVICE_OPS)
+        if cross_device_ops == "nccl" and not _num_gpus():
+            raise StrategyError(
+                "`cross_device_ops='nccl'` needs GPUs and none is visible here. "
+                "Expected 'hierarchical_copy' or 'reduction_to_one_device' on CPU."
+            )
+        ops = _CROSS_DEVICE_OPS[cross_device_ops]()
+    return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
+
+
+def _positive_number(value):
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
+
+
+def _multi_worker(*, communication="auto", timeout_seconds=None, cluster_resolver=None, cpu_replicas=None):
+    from tfscale.compat import keras_multi_worker
+
+    _choice("communication", communication, _COMMUNICATION)
+    if timeout_seconds is not None and not _positive_number(timeout_seconds):
+        raise StrategyError(
+            f"Invalid value for argument `timeout_seconds`. Received: "
+            f"timeout_seconds={timeout_seconds!r}. Expected a positive number of seconds."
+        )
+    if cpu_replicas is not None:
+        split_cpu(cpu_replicas)
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=_COMMUNICATION[communication], timeout_seconds=timeout_seconds
+    )
+    keras_multi_worker.apply()
+    return keras_multi_worker.make_multi_worker_strategy(
+        cluster_resolver=cluster_resolver, communication_options=options, cpu_replicas=cpu_replicas
+    )
+
+
+def _probe(address):
+    """Fails fast on an unreachable grpc:// address instead of hanging in connect."""
+    parsed = urllib.parse.urlparse(address)
+    if parsed.scheme != "grpc":
+        return
+    try:
+        socket.create_connection((parsed.hostname, parsed.port), timeout=_TPU_PROBE_SECONDS).close()
+    except (OSError, ValueError, TypeError) as e:
+        raise StrategyError(f"No TPU reachable at `tpu={address!r}`: {e}.") from None
+
+
+def _tpu(*, tpu=None):
+    if tpu is not None:
+        _probe(tpu)
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+        if tpu not in (None, "", "local"):
+            tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, RuntimeError, OSError, tf.errors.OpError) as e:
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise StrategyError(f"No TPU reachable at `tpu={tpu!r}`: {first_line}") from None
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def _tf_config_workers(environ):
+    try:
+        cluster = json.loads(environ.get("TF_CONFIG") or "{}").get("cluster", {})
+    except (ValueError, AttributeError):
+        return 0
+    return sum(len(cluster.get(t, ())) for t in ("chief", "worker"))
+
+
+def _auto(*, cpu_replicas=None, tpu=None, communication="auto", timeout_seconds=None):
+    environ = os.environ
+    tpu_named = tpu is not None or any(environ.get(v) for v in _TPU_ENV_VARS)
+    if tpu_named or tf.config.list_physical_devices("TPU"):
+        _log.info("strategy auto -> tpu (a TPU is named or visible)")
+        return _tpu(tpu=tpu)
+    workers = _tf_config_workers(environ)
+    if workers > 1:
+        _log.info("strategy auto -> multi_worker (TF_CONFIG names %d workers)", workers)
+        return _multi_worker(
+            communication=communication, timeout_seconds=timeout_seconds, cpu_replicas=cpu_replicas
+        )
+    gpus = _num_gpus()
+    if gpus > 1:
+        _log.info("strategy auto -> mirrored (%d GPUs visible)", gpus)
+        return _mirrored(cpu_replicas=cpu_replicas) if cpu_replicas else _mirrored()
+    if cpu_replicas and cpu_replicas > 1:
+        _log.info("strategy auto -> mirrored over %d logical CPU devices (cpu_replicas)", cpu_replicas)
+        return _mirrored(cpu_replicas=cpu_replicas)
+    device = "/gpu:0" if gpus else cpu_device_names(1)[0]
+    _log.info("strategy auto -> one_device on %s (no TPU, no multi-worker TF_CONFIG, <2 GPUs)", device)
+    if cpu_replicas:
+        split_cpu(cpu_replicas)
+    return _one_device(device=device)
+
+
+def _pipeline(**options):
+    from tfscale.strategies.pipeline import PipelineStrategy
+
+    return PipelineStrategy(**options)
+
+
+def _model_split(**options):
+    from tfscale.strategies.model_split import ModelSplitStrategy
+
+    return ModelSplitStrategy(**options)
+
+
+_BUILDERS = {
+    "auto": _auto,
+    "default": _default,
+    "one_device": _one_device,
+    "mirrored": _mirrored,
+    "multi_worker": _multi_worker,
+    "tpu": _tpu,
+    "pipeline": _pipeline,
+    "model_split": _model_split,
+}
+NAMES = tuple(_BUILDERS)
+
+
+def _accepted(builder):
+    params = inspect.signature(builder).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None  # The class checks its own options.
+    return [p.name for p in params]
+
+
+def get(name="auto", **options):
+    """Returns a configured distribution strategy.
+
+    Built-in names return the real `tf.distribute` object; `"pipeline"` and
+    `"model_split"` return tfscale's own strategies.
+
+    Args:
+        name: one of `NAMES`: "auto", "default", "one_device", "mirrored",
+            "multi_worker", "tpu", "pipeline", "model_split".
+        **options: options of that strategy (see the README's table), e.g.
+            `cpu_replicas=2` to replicate over 2 logical CPU devices.
+
+    Returns:
+        A `tf.distribute.Strategy`.
+
+    Raises:
+        StrategyError: unknown name, unknown option, or an option value the
+            strategy cannot honour here.
+
+    Example:
+
+    >>> strategy = tfscale.strategies.get("mirrored", cpu_replicas=2)
+    >>> strategy.num_replicas_in_sync
+    2
+    """
+    if name not in _BUILDERS:
+        raise StrategyError(f"Unknown strategy name. Received: name={name!r}. Expected one of {list(NAMES)}.")
+    builder = _BUILDERS[name]
+    accepted = _accepted(builder)
+    if accepted is not None:
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise StrategyError(
+                f"Unknown option(s) {unknown} for strategy {name!r}. Expected options: {accepted or 'none'}."
+            )
+    return builder(**options)

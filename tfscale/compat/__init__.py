@@ -1,0 +1,5 @@
+"""Narrow, version-gated fixes for Keras 3 under tf.distribute (see each module)."""
+
+from tfscale.compat.keras_multi_worker import apply as apply_multi_worker_fixes
+
+__all__ = ["apply_multi_worker_fixes"]

@@ -1,0 +1,234 @@
+"""`tfscale-tfconfig`: print the TF_CONFIG of a cluster's tasks, or write Slurm/Kubernetes job files.
+
+    tfscale-tfconfig --from=hosts --workers=node1:2,node2:2            # every task, one JSON per line
+    tfscale-tfconfig --from=hostfile --hostfile=hosts --task=worker:3 --format=export
+    eval "$(tfscale-tfconfig --from=slurm --format=export)"            # inside srun: this task's
+    tfscale-tfconfig --sbatch=job.sbatch --nodes=4 --ntasks_per_node=2 --command='python train.py'
+    tfscale-tfconfig --tfjob=job.yaml --image=me/train:1 --replicas=chief=1,worker=3 \\
+        --command='python train.py'
+
+Bad input ends with one line on stderr and exit code 2; nothing is half-written.
+"""
+
+import os
+import shlex
+import sys
+
+from absl import app, flags
+
+from tfscale import _jobfiles
+from tfscale.cluster import TASK_TYPES, ClusterSpec, ClusterSpecError
+
+__all__ = ["define_flags", "main", "run"]
+
+_SOURCE_FLAGS = {
+    "hosts": ("workers", "chief", "ps", "evaluator", "port"),
+    "hostfile": ("hostfile", "port"),
+    "slurm": ("port",),
+    "env": (),
+    "kubernetes": ("port",),
+}
+_SBATCH_FLAGS = ("sbatch", "nodes", "ntasks_per_node", "partition", "time")
+_TFJOB_FLAGS = ("tfjob", "image", "replicas", "namespace")
+_PRINT_FLAGS = ("from", "task", "format", "workers", "chief", "ps", "evaluator", "hostfile")
+
+
+class _UsageError(ValueError):
+    pass
+
+
+def define_flags(flag_values):
+    """Defines the flags of `tfscale-tfconfig` on `flag_values`."""
+    fv = flag_values
+    flags.DEFINE_enum("from", None, list(_SOURCE_FLAGS), "Where the cluster is described.", flag_values=fv)
+    flags.DEFINE_list(
+        "workers", [], "Worker hosts: host, host:port (1024-65535) or host:slots (1-1023).", flag_values=fv
+    )
+    flags.DEFINE_string("chief", None, "Chief host (host or host:port).", flag_values=fv)
+    flags.DEFINE_list("ps", [], "Parameter-server hosts, like --workers.", flag_values=fv)
+    flags.DEFINE_string("evaluator", None, "Evaluator host (host or host:port).", flag_values=fv)
+    flags.DEFINE_string(
+        "hostfile", None, "Hostfile with 'host slots=N' lines (--from=hostfile).", flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "port",
+        2222,
+        "Base port: the first port on each host.",
+        lower_bound=1,
+        upper_bound=65535,
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "task",
+        None,
+        "'all', or TYPE:INDEX such as worker:1. Default: this process's task if the source "
+        "names one (slurm, env, kubernetes), else all.",
+        flag_values=fv,
+    )
+    flags.DEFINE_enum(
+        "format", "json", ["json", "export"], "JSON, or shell `export TF_CONFIG='...'`.", flag_values=fv
+    )
+    flags.DEFINE_string("sbatch", None, "Write a Slurm sbatch script here.", flag_values=fv)
+    flags.DEFINE_integer("nodes", 1, "Slurm nodes (--sbatch).", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer(
+        "ntasks_per_node", 1, "Slurm tasks, i.e. workers, per node (--sbatch).", lower_bound=1, flag_values=fv
+    )
+    flags.DEFINE_string("partition", None, "Slurm partition (--sbatch).", flag_values=fv)
+    flags.DEFINE_string("time", None, "Slurm time limit, e.g. 2:00:00 (--sbatch).", flag_values=fv)
+    flags.DEFINE_string("tfjob", None, "Write a Kubeflow TFJob manifest (YAML) here.", flag_values=fv)
+    flags.DEFINE_string("image", None, "Container image (--tfjob).", flag_values=fv)
+    flags.DEFINE_list(
+        "replicas", ["worker=2"], "TFJob replicas as TYPE=N: chief, worker, ps, evaluator.", flag_values=fv
+    )
+    flags.DEFINE_string("namespace", None, "Kubernetes namespace (--tfjob).", flag_values=fv)
+    flags.DEFINE_string("command", None, "Command each task runs (--sbatch, --tfjob).", flag_values=fv)
+    flags.DEFINE_string("job_name", "tfscale", "Job name (--sbatch, --tfjob).", flag_values=fv)
+
+
+FLAGS = flags.FLAGS
+define_flags(FLAGS)
+
+
+def _present(fv, names):
+    return [name for name in names if fv[name].present]
+
+
+def _forbid(fv, names, context):
+    extra = _present(fv, names)
+    if extra:
+        raise _UsageError(f"`--{extra[0]}` is not used {context}. Expected it only where its help says.")
+
+
+def _spec(fv):
+    source = fv["from"].value
+    if source is None:
+        raise _UsageError(f"Missing `--from`. Expected one of {', '.join(_SOURCE_FLAGS)}.")
+    unused = [n for names in _SOURCE_FLAGS.values() for n in names if n not in _SOURCE_FLAGS[source]]
+    _forbid(fv, unused, f"with --from={source}")
+    if source == "hosts":
+        if not (fv.workers or fv.chief):
+            raise _UsageError(
+                "Missing `--workers` (or `--chief`) for --from=hosts. Expected e.g. --workers=node1,node2."
+            )
+        return ClusterSpec.from_hosts(fv.workers, fv.chief, fv.ps, fv.evaluator, fv.port)
+    if source == "hostfile":
+        if not fv.hostfile:
+            raise _UsageError("Missing `--hostfile` for --from=hostfile. Expected the path of a hostfile.")
+        return ClusterSpec.from_hostfile(fv.hostfile, fv.port)
+    if source == "slurm":
+        return ClusterSpec.from_slurm(os.environ, fv.port)
+    if source == "kubernetes":
+        return ClusterSpec.from_kubernetes(os.environ, port=fv.port)
+    return ClusterSpec.from_env(os.environ)
+
+
+def _selected_tasks(spec, task):
+    if task is None:
+        return [(spec.task_type, spec.task_index)] if spec.task_type else [(t, i) for t, i, _ in spec.tasks()]
+    if task == "all":
+        return [(t, i) for t, i, _ in spec.tasks()]
+    task_type, sep, index = task.partition(":")
+    if not sep or task_type not in TASK_TYPES or not (index.isascii() and index.isdigit() and len(index) < 7):
+        raise _UsageError(
+            f"Invalid value for `--task`. Received: {task!r}. Expected 'all' or TYPE:INDEX with TYPE one of "
+            f"{', '.join(TASK_TYPES)}, e.g. worker:0."
+        )
+    if int(index) >= len(spec.cluster.get(task_type, ())):
+        raise _UsageError(
+            f"Invalid value for `--task`. Received: {task!r}. Expected one of the cluster's tasks: "
+            + ", ".join(f"{t}:0-{len(a) - 1}" for t, a in spec.cluster.items())
+            + "."
+        )
+    return [(task_type, int(index))]
+
+
+def _print_tf_configs(fv):
+    spec = _spec(fv)
+    lines = []
+    for task_type, index in _selected_tasks(spec, fv.task):
+        text = spec.to_json(task_type, index)
+        lines.append(f"export TF_CONFIG={shlex.quote(text)}" if fv.format == "export" else text)
+    print("\n".join(lines))
+
+
+def _write_job_files(fv):
+    _forbid(fv, _PRINT_FLAGS, "when writing job files (--sbatch/--tfjob)")
+    if not fv.sbatch:
+        _forbid(fv, _SBATCH_FLAGS, "without --sbatch")
+    if not fv.tfjob:
+        _forbid(fv, _TFJOB_FLAGS, "without --tfjob")
+    command = _jobfiles.parse_command(fv.command)
+    texts = []
+    if fv.sbatch:
+        script = _jobfiles.sbatch_script(
+            command=command,
+            nodes=fv.nodes,
+            ntasks_per_node=fv.ntasks_per_node,
+            port=fv.port,
+            job_name=fv.job_name,
+            partition=fv.partition,
+            time=fv.time,
+        )
+        texts.append((fv.sbatch, script, 0o755))
+    if fv.tfjob:
+        if not fv.image:
+            raise _UsageError(
+                "Missing `--image` for --tfjob. Expected a container image with tfscale installed."
+            )
+        replicas = _jobfiles.parse_replicas(fv.replicas)
+        manifest = _jobfiles.tfjob_manifest(
+            image=fv.image,
+            command=command,
+            replicas=replicas,
+            port=fv.port,
+            job_name=fv.job_name,
+            namespace=fv.namespace,
+        )
+        texts.append((fv.tfjob, manifest, 0o644))
+    # Everything is checked before the first file is written.
+    for path, text, mode in texts:
+        try:
+            _jobfiles.write_atomic(path, text, mode)
+        except OSError as e:
+            raise _UsageError(
+                f"Cannot write {path!r}: {e.strerror or e}. Expected a writable path."
+            ) from None
+        print(f"wrote {path}")
+
+
+def main(argv, flag_values=FLAGS):
+    """Runs the command with parsed `flag_values`; returns the exit code."""
+    fv = flag_values
+    try:
+        if len(argv) > 1:
+            raise _UsageError(f"Unexpected argument {argv[1]!r}. Expected only --flags.")
+        if fv.sbatch or fv.tfjob:
+            _write_job_files(fv)
+        else:
+            _forbid(fv, (*_SBATCH_FLAGS, *_TFJOB_FLAGS, "command", "job_name"), "without --sbatch or --tfjob")
+            _print_tf_configs(fv)
+    except (ClusterSpecError, _UsageError) as e:
+        return _fail(str(e))
+    return 0
+
+
+def _fail(message):
+    first_line = (message.strip().splitlines() or ["error"])[0]
+    print(f"tfscale-tfconfig: error: {first_line}", file=sys.stderr)
+    return 2
+
+
+def _parse_flags(argv):
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(_fail(str(e)))
+
+
+def run():
+    """Console-script entry point (`tfscale-tfconfig`)."""
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run()

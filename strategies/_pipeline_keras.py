@@ -1,0 +1,51 @@
+"""The few Keras internals the pipeline needs, in one place (checked on Keras 3.0-3.15, TF backend).
+
+Keras 3 has no public hook to compute the compiled loss *without* `model.losses`, nor to
+update the "loss" metric the way `Model.train_step` does, nor to choose where an
+optimizer's slot variables live. A pipelined `train_step` needs all three:
+
+- `model._compile_loss(y, y_pred, sample_weight)`: the compiled loss of one micro-batch.
+  `Model.compute_loss` would add `model.losses` (weight regularisation) once per
+  micro-batch and differentiate it on the last stage's device, where the other stages'
+  variables do not live.
+- `model._loss_tracker`: the `Mean` behind the "loss" log, updated as
+  `keras/src/backend/tensorflow/trainer.py::train_step` does.
+- `optimizer.add_variable_from_reference`: Keras's TF optimizer asks the distribution
+  strategy to colocate slots with their variable, which the default strategy ignores
+  (keras-team/keras: slots land on the default device), so momentum and velocity of a
+  stage's variables would live on device 0. Wrapping the public method on the instance
+  puts each slot on its variable's device.
+"""
+
+import tensorflow as tf
+
+__all__ = ["compiled_loss", "place_slots_with_variables", "update_loss_tracker"]
+
+
+def compiled_loss(model):
+    """The `CompileLoss` of a compiled model (None if compiled without `loss`)."""
+    return getattr(model, "_compile_loss", None)
+
+
+def update_loss_tracker(model, loss, batch_size):
+    """Updates the "loss" metric exactly like Keras's own TF `train_step`."""
+    model._loss_tracker.update_state(loss, sample_weight=batch_size)
+
+
+def variable_device(variable):
+    """The device of a Keras variable's backing `tf.Variable`."""
+    return getattr(variable, "value", variable).device
+
+
+def place_slots_with_variables(optimizer):
+    """Makes `optimizer` create each slot variable on the device of its model variable."""
+    if getattr(optimizer, "_tfscale_placed_slots", False):
+        return
+    create = optimizer.add_variable_from_reference
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        with tf.device(variable_device(reference_variable)):
+            return create(reference_variable, *args, **kwargs)
+
+    optimizer.add_variable_from_reference = add_variable_from_reference
+    optimizer._tfscale_placed_slots = True

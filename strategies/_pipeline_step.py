@@ -1,0 +1,155 @@
+"""One training batch of a pipeline as ONE dataflow graph: forwards, backwards, gradient sums.
+
+Every micro-batch forward and backward of every stage becomes a group of ops placed on its
+stage's device (`tf.device`) and named `pipeline/s{stage}_{F|B}{microbatch}` (the profiler
+timeline finds them by that name). Groups are linked only by
+
+- data: activations flow forward, gradients backward, between neighbouring stages;
+- the schedule's same-stage waits (`_schedule.control_dependencies`), which bound the live
+  activations (1F1B) or make the flush (GPipe).
+
+Nothing else orders them, so TensorFlow's executor runs groups of different stages at the
+same time as soon as their inputs exist: that overlap is the pipeline. Each forward records
+its own `tf.GradientTape`; its backward asks that tape for the gradients of the stage's
+output (upstream gradient passed as `output_gradients`) with respect to the stage's input
+and variables, the same chain rule as one tape over the whole model.
+"""
+
+import tensorflow as tf
+from tfscale.strategies import _schedule
+
+__all__ = ["Stage", "forward_only", "run_batch", "scope_name"]
+
+
+class Stage:
+    """One pipeline stage: its consecutive layers and its device (not tracked by Keras)."""
+
+    def __init__(self, index, layers, device, recompute=False):
+        self.index = index
+        self.layers = list(layers)
+        self.device = device
+        self.recompute = recompute
+
+    @property
+    def trainable_variables(self):
+        return [v for layer in self.layers for v in layer.trainable_variables]
+
+    def call(self, x, training):
+        def run(inputs):
+            for layer in self.layers:
+                inputs = layer(inputs, training=training)
+            return inputs
+
+        if self.recompute and training:
+            # Keeps only the stage input; the backward re-runs the forward for the rest.
+            return tf.recompute_grad(run)(x)
+        return run(x)
+
+
+def scope_name(step):
+    """The name scope of a step's ops, e.g. `pipeline/s1_B3` (parsed back by the timeline)."""
+    return f"pipeline/s{step.stage}_{step.kind}{step.microbatch}"
+
+
+def _differentiable(x):
+    return x.dtype.is_floating or x.dtype.is_complex
+
+
+def _flat_outputs(result):
+    return [t for t in tf.nest.flatten(result) if isinstance(t, tf.Tensor)]
+
+
+class _Batch:
+    """The mutable state while the ops of one batch are being created."""
+
+    def __init__(self, stages, schedule, inputs, loss_fn):
+        self.stages = stages
+        self.inputs = inputs
+        self.loss_fn = loss_fn
+        self.num_stages = len(stages)
+        self.orders = _schedule.order(schedule, self.num_stages, len(inputs))
+        self.waits = {}
+        for stage_order in self.orders:
+            self.waits.update(_schedule.control_dependencies(stage_order))
+        self.done = {}
+        self.gradients = [None] * self.num_stages
+
+    def emit(self, step):
+        if step in self.done:
+            return
+        for dep in _schedule.data_dependencies(step, self.num_stages) + self.waits[step]:
+            self.emit(dep)
+        gate = [t for dep in self.waits[step] for t in self.done[dep]["gate"]]
+        stage = self.stages[step.stage]
+        with tf.device(stage.device), tf.name_scope(scope_name(step)), tf.control_dependencies(gate):
+            self.done[step] = self._forward(step) if step.kind == "F" else self._backward(step)
+
+    def _forward(self, step):
+        stage, last = self.stages[step.stage], step.stage == self.num_stages - 1
+        if step.stage == 0:
+            x = self.inputs[step.microbatch]
+        else:
+            x = self.done[_schedule.Step(step.stage - 1, "F", step.microbatch)]["y"]
+        with tf.GradientTape() as tape:
+            if _differentiable(x):
+                tape.watch(x)
+            y = stage.call(x, training=True)
+            loss = self.loss_fn(step.microbatch, y) if last else None
+        gate = [y] if loss is None else [y, loss]
+        return {"x": x, "y": y, "loss": loss, "tape": tape, "gate": gate}
+
+    def _backward(self, step):
+        s, i = step.stage, step.microbatch
+        forward = self.done[_schedule.Step(s, "F", i)]
+        if s == self.num_stages - 1:
+            target, upstream = forward["loss"], None
+        else:
+            target, upstream = forward["y"], self.done[_schedule.Step(s + 1, "B", i)]["dx"]
+        variables = self.stages[s].trainable_variables
+        needs_dx = s > 0 and _differentiable(forward["x"])
+        sources = ([forward["x"]] if needs_dx else []) + variables
+        grads = forward["tape"].gradient(target, sources, output_gradients=upstream)
+        dx = grads[0] if needs_dx else None
+        grads = [
+            tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+            for g, v in zip(grads[len(sources) - len(variables) :], variables)
+        ]
+        # Summed in micro-batch order (the backward chain guarantees it), on the stage device.
+        acc = self.gradients[s]
+        self.gradients[s] = grads if acc is None else [a + g for a, g in zip(acc, grads)]
+        return {"dx": dx, "gate": _flat_outputs([dx, grads])}
+
+
+def run_batch(stages, schedule, inputs, loss_fn):
+    """Creates the ops of one pipelined forward + backward over micro-batches.
+
+    Args:
+        stages: the list of `Stage`.
+        schedule: "gpipe" or "1f1b".
+        inputs: the list of M micro-batches of the first stage's input.
+        loss_fn: `loss_fn(i, y_pred_i)` -> the scalar this micro-batch adds to the loss to
+            differentiate (already weighted and, if needed, scaled for the optimizer).
+
+    Returns:
+        (y_preds, losses, gradients): the M last-stage outputs, the M loss terms, and per
+        stage the list of summed gradients of its trainable variables.
+    """
+    batch = _Batch(stages, schedule, inputs, loss_fn)
+    for stage_order in batch.orders:
+        for step in stage_order:
+            batch.emit(step)
+    last = len(stages) - 1
+    finals = [batch.done[_schedule.Step(last, "F", i)] for i in range(len(inputs))]
+    return [f["y"] for f in finals], [f["loss"] for f in finals], batch.gradients
+
+
+def forward_only(stages, inputs, training=False):
+    """The micro-batched forward of inference: each micro-batch flows through the stages."""
+    outputs = []
+    for i, x in enumerate(inputs):
+        y = x
+        for stage in stages:
+            with tf.device(stage.device), tf.name_scope(f"pipeline/s{stage.index}_F{i}"):
+                y = stage.call(y, training=training)
+        outputs.append(y)
+    return outputs

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import time
 
-__all__ = ["describe_exit", "free_ports", "start", "stop"]
+__all__ = ["describe_exit", "free_ports", "ports_free", "start", "stop", "stop_with_signal"]
 
 
 def free_ports(count, host="127.0.0.1"):
@@ -75,3 +75,30 @@ def describe_exit(returncode):
         except ValueError:
             return f"signal {-returncode}"
     return f"exit code {returncode}"
+
+
+def stop_with_signal(procs, sig, grace_seconds=5.0):
+    """Like `stop`, but the first signal sent to every process group is `sig` (e.g. a forwarded SIGINT)."""
+    for p in procs:
+        _signal_group(p, sig)
+    deadline = time.monotonic() + grace_seconds
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    stop(procs, grace_seconds=0.0)
+
+
+def ports_free(ports, host="127.0.0.1"):
+    """True when every port in `ports` can be bound on `host` right now."""
+    for port in ports:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+        except OSError:
+            return False
+        finally:
+            s.close()
+    return True

@@ -1,0 +1,168 @@
+"""`tfscale-launch [flags] -- COMMAND [ARGS...]`: run COMMAND as a cluster job, restart it on failure.
+
+    tfscale-launch --num_workers 2 -- python main.py
+    tfscale-launch --num_workers 4 --max_restarts 3 --log_dir logs -- python train.py
+    tfscale-launch --hosts node1,node2:2 --max_restarts 2 -- python train.py
+    tfscale-launch --hosts 10.0.0.1,10.0.0.2 --remote_cmd 'ip netns exec ns{host_index}' -- python train.py
+    tfscale-launch --slurm -- python train.py          # inside salloc / sbatch
+
+Exit status: 0 when the job finally succeeded, 1 when it failed on its last
+allowed attempt, 128+N when signal N stopped the launcher, 2 for bad flags.
+This module only turns flags into plain values; see `supervisor` and `jobs`.
+"""
+
+import sys
+
+from absl import flags
+from tfscale.launch import _remote, jobs, supervisor
+
+__all__ = ["define_flags", "job_from_flags", "main", "run"]
+
+
+def define_flags(fv):
+    """Defines the launcher's flags on the `FlagValues` `fv`."""
+    flags.DEFINE_integer(
+        "num_workers", None, "Worker tasks on this host (default 1).", lower_bound=1, flag_values=fv
+    )
+    flags.DEFINE_bool("chief", False, "Add a chief task.", flag_values=fv)
+    flags.DEFINE_integer(
+        "num_ps", 0, "Parameter-server tasks (needs --chief).", lower_bound=0, flag_values=fv
+    )
+    flags.DEFINE_bool("evaluator", False, "Add an evaluator task.", flag_values=fv)
+    flags.DEFINE_list(
+        "hosts",
+        None,
+        "Worker hosts (host, host:port, host:slots), started with --remote_cmd.",
+        flag_values=fv,
+    )
+    flags.DEFINE_string("hostfile", None, "File of 'host slots=N' lines, instead of --hosts.", flag_values=fv)
+    flags.DEFINE_string(
+        "remote_cmd",
+        _remote.DEFAULT_REMOTE_CMD,
+        "Per-host start command; placeholders {host}, {host_index}, {command}.",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool("slurm", False, "Inside a Slurm allocation: start the tasks with srun.", flag_values=fv)
+    flags.DEFINE_integer(
+        "port",
+        2222,
+        "First port on each host (multi-host and Slurm jobs).",
+        lower_bound=1,
+        upper_bound=65535,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "max_restarts", 0, "Restarts of the whole job after a failure.", lower_bound=0, flag_values=fv
+    )
+    flags.DEFINE_float(
+        "restart_backoff", 1.0, "Seconds between a failure and the restart.", lower_bound=0, flag_values=fv
+    )
+    flags.DEFINE_float(
+        "grace_period",
+        10.0,
+        "Seconds between SIGTERM and SIGKILL when stopping tasks.",
+        lower_bound=0,
+        flag_values=fv,
+    )
+    flags.DEFINE_float("task_timeout", None, "Seconds one attempt may run.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_float(
+        "finish_timeout",
+        120.0,
+        "Seconds the other tasks get after a chief/worker exited 0.",
+        lower_bound=0,
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "heartbeat_timeout", None, "Seconds a running task may print nothing.", lower_bound=0, flag_values=fv
+    )
+    flags.DEFINE_string(
+        "log_dir", None, "Write each task's output to <log_dir>/<type>-<index>.log.", flag_values=fv
+    )
+    flags.DEFINE_bool(
+        "keras_compat",
+        False,
+        "Apply tfscale's Keras 3 multi-worker fixes in every task "
+        "(via a sitecustomize on PYTHONPATH), for programs that do not import tfscale.",
+        flag_values=fv,
+    )
+
+
+def _positive_or_none(value):
+    return value if value else None
+
+
+def job_from_flags(fv, command):
+    """The job (`attempt -> [TaskSpec]`) the flags describe."""
+    multi_host = fv.hosts is not None or fv.hostfile is not None
+    if sum([multi_host, fv.slurm]) > 1 or (fv.hosts is not None and fv.hostfile is not None):
+        raise supervisor.LaunchError(
+            "Invalid flags: expected at most one of `--hosts`, `--hostfile` and `--slurm`."
+        )
+    if (multi_host or fv.slurm) and fv.num_workers is not None:
+        raise supervisor.LaunchError(
+            f"Invalid flags: `--num_workers`={fv.num_workers} with a multi-host or Slurm job. Expected the "
+            "worker count from the hosts' slots (`host:N`, `slots=N`) or from Slurm."
+        )
+    if fv.slurm:
+        if fv.chief or fv.num_ps or fv.evaluator:
+            raise supervisor.LaunchError(
+                "Invalid flags: `--slurm` starts workers only; drop --chief/--num_ps/--evaluator."
+            )
+        return jobs.SlurmJob(command, port=fv.port, keras_compat=fv.keras_compat)
+    topology = {
+        "chief": fv.chief,
+        "num_ps": fv.num_ps,
+        "evaluator": fv.evaluator,
+        "keras_compat": fv.keras_compat,
+    }
+    if multi_host:
+        return jobs.HostsJob(
+            command, fv.hosts, hostfile=fv.hostfile, port=fv.port, remote_cmd=fv.remote_cmd, **topology
+        )
+    return jobs.LocalJob(command, fv.num_workers or 1, **topology)
+
+
+def main(argv, fv):
+    """Runs the job of the flags in `fv` and the command `argv[1:]`; returns the exit status."""
+    try:
+        job = job_from_flags(fv, argv[1:])
+        result = supervisor.launch(
+            job,
+            max_restarts=fv.max_restarts,
+            restart_backoff=fv.restart_backoff,
+            grace_period=fv.grace_period,
+            task_timeout=_positive_or_none(fv.task_timeout),
+            finish_timeout=fv.finish_timeout or None,
+            heartbeat_timeout=_positive_or_none(fv.heartbeat_timeout),
+            log_dir=fv.log_dir,
+        )
+    except ValueError as e:  # LaunchError, ClusterSpecError: bad input, one line.
+        print(f"tfscale-launch: error: {e}", file=sys.stderr)
+        return 2
+    return result.exit_code
+
+
+def parse(argv, fv):
+    """Parses `argv` into `fv`; returns `argv[0]` + the command, or an exit status for --help / bad flags."""
+    options = argv[1 : argv.index("--")] if "--" in argv else argv[1:]
+    if any(a in ("-h", "--help", "-help", "--helpfull") for a in options):
+        print(__doc__.split("\n\n")[0] + "\n\n" + fv.get_help())
+        return 0
+    try:
+        return fv(argv)
+    except flags.Error as e:
+        print(f"tfscale-launch: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(argv=None):
+    """Console-script entry point: exits with the job's status."""
+    # Own FlagValues, not absl.app's global FLAGS: absl.logging already owns `--log_dir` there.
+    fv = flags.FlagValues()
+    define_flags(fv)
+    parsed = parse(sys.argv if argv is None else argv, fv)
+    sys.exit(parsed if isinstance(parsed, int) else main(parsed, fv))
+
+
+if __name__ == "__main__":
+    run()

@@ -4,5 +4,27 @@ from tfscale.strategies._builtin import NAMES, get
 from tfscale.strategies._devices import split_cpu
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._partition import BalanceError
+from tfscale.strategies.layers import (
+    ColumnParallelDense,
+    HeadParallelMultiHeadAttention,
+    ModelSplitError,
+    RowParallelDense,
+    VocabParallelEmbedding,
+)
+from tfscale.strategies.model_split import ModelSplitStrategy
+from tfscale.strategies.pipeline import PipelineStrategy
 
-__all__ = ["NAMES", "BalanceError", "StrategyError", "get", "split_cpu"]
+__all__ = [
+    "NAMES",
+    "BalanceError",
+    "ColumnParallelDense",
+    "HeadParallelMultiHeadAttention",
+    "ModelSplitError",
+    "ModelSplitStrategy",
+    "PipelineStrategy",
+    "RowParallelDense",
+    "StrategyError",
+    "VocabParallelEmbedding",
+    "get",
+    "split_cpu",
+]

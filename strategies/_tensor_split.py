@@ -1,0 +1,226 @@
+"""Rewriting a model's Dense / Embedding / MultiHeadAttention layers into their split forms."""
+
+import keras
+import tensorflow as tf
+from tfscale.strategies._partition import _graph_config, _tensor_args
+from tfscale.strategies._split_models import SplitFunctional, SplitSequential
+from tfscale.strategies.layers import (
+    ColumnParallelDense,
+    HeadParallelMultiHeadAttention,
+    ModelSplitError,
+    RowParallelDense,
+    VocabParallelEmbedding,
+)
+
+__all__ = ["SUPPORTED", "clone_layer", "copy_weights", "model_input", "tensor_split"]
+
+SUPPORTED = (keras.layers.Dense, keras.layers.Embedding, keras.layers.MultiHeadAttention)
+# Config keys whose non-default value the split layers do not reproduce.
+_MUST_BE_UNSET = (
+    "kernel_regularizer",
+    "bias_regularizer",
+    "activity_regularizer",
+    "embeddings_regularizer",
+    "kernel_constraint",
+    "bias_constraint",
+    "embeddings_constraint",
+    "lora_rank",
+    "quantization_config",
+    "attention_axes",
+    "sliding_window",
+    "flash_attention",
+    "use_gate",
+)
+
+
+class _Shards:
+    """K activation shards travelling as one graph value between a column and a row layer.
+
+    `keras.models.clone_model` maps each original output tensor to one new value; a plain
+    list would be flattened into K outputs, so the list travels wrapped (a tree leaf).
+    """
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+
+def model_input(model):
+    """A fresh `keras.Input` like the model's single input; the model must be built."""
+    try:
+        spec = model.inputs
+    except (AttributeError, ValueError):
+        spec = None
+    if not spec:
+        raise ModelSplitError(
+            f"Cannot split model {model.name!r}: it is not built, so its input shape is unknown. "
+            "Start it with keras.Input(...) or call model.build(input_shape) first."
+        )
+    return keras.Input(batch_shape=spec[0].shape, dtype=spec[0].dtype, name=spec[0].name)
+
+
+def clone_layer(layer):
+    """A new, unbuilt layer of the same class and config (weights copied later)."""
+    return type(layer).from_config(layer.get_config())
+
+
+def copy_weights(source_layers, target):
+    """Copies each source layer's weights into `target`'s layer of the same name."""
+    for layer in source_layers:
+        if not layer.weights:
+            continue
+        new = target.get_layer(layer.name)
+        if hasattr(new, "set_full_weights"):
+            new.set_full_weights(layer.get_weights())
+        else:
+            new.set_weights(layer.get_weights())
+
+
+def _targets(model, tensor_layers):
+    if tensor_layers is None:
+        return [layer for layer in model.layers if type(layer) in SUPPORTED]
+    targets = []
+    for name in tensor_layers:
+        try:
+            layer = model.get_layer(name)
+        except ValueError:
+            raise ModelSplitError(
+                f"Invalid value for argument `tensor_layers`: model {model.name!r} has no layer "
+                f"{name!r}. Expected names among {[layer.name for layer in model.layers]}."
+            ) from None
+        if not isinstance(layer, SUPPORTED):
+            raise ModelSplitError(
+                f"Cannot tensor-split layer {name!r}: its type {type(layer).__name__} has no split "
+                f"form. Expected one of {[cls.__name__ for cls in SUPPORTED]}."
+            )
+        targets.append(layer)
+    return targets
+
+
+def _check_supported(layer):
+    config = layer.get_config()
+    for key in _MUST_BE_UNSET:
+        if config.get(key) not in (None, False, 0):
+            raise ModelSplitError(
+                f"Cannot tensor-split layer {layer.name!r} ({type(layer).__name__}): option "
+                f"`{key}={config[key]!r}` has no split form. Expected it unset, or leave the "
+                "layer out of `tensor_layers`."
+            )
+    shape = config.get("output_shape")
+    if isinstance(layer, keras.layers.MultiHeadAttention) and not (shape is None or isinstance(shape, int)):
+        raise ModelSplitError(
+            f"Cannot tensor-split layer {layer.name!r}: `output_shape={shape!r}`; expected None or an int."
+        )
+
+
+def _pairs(model, targets):
+    """Column -> row pairs: Dense a whose only consumer is Dense b, b's only input being a."""
+    dense = {layer.name for layer in targets if isinstance(layer, keras.layers.Dense)}
+    links = _links(model)
+    firsts, seconds = set(), set()
+    for a, b in links:
+        if a in dense and b in dense and a not in seconds and a not in firsts and b not in firsts:
+            firsts.add(a)
+            seconds.add(b)
+    return firsts, seconds
+
+
+def _links(model):
+    """(producer, consumer) for every edge where each is the other's only partner."""
+    if isinstance(model, keras.Sequential):
+        names = [layer.name for layer in model.layers]
+        return list(zip(names, names[1:]))
+    config = _graph_config(model)
+    inputs, consumers = {}, {}
+    for entry in config["layers"]:
+        producers = [p for node in entry["inbound_nodes"] for p in _tensor_args(node)]
+        inputs[entry["name"]] = producers
+        for p in producers:
+            consumers.setdefault(p, []).append(entry["name"])
+    outputs = {spec[0] for spec in _output_specs(config)}
+    return [
+        (p, c[0]) for p, c in consumers.items() if len(c) == 1 and inputs[c[0]] == [p] and p not in outputs
+    ]
+
+
+def _output_specs(config):
+    specs = config["output_layers"]
+    return [specs] if specs and isinstance(specs[0], str) else specs
+
+
+def _split_form(layer, devices, role):
+    config = layer.get_config()
+    common = {"name": layer.name, "dtype": layer.dtype_policy}
+    if isinstance(layer, keras.layers.Dense):
+        dense = {k: config[k] for k in ("activation", "use_bias", "kernel_initializer", "bias_initializer")}
+        if role == "row":
+            return RowParallelDense(config["units"], devices, input_is_parallel=True, **dense, **common)
+        return ColumnParallelDense(
+            config["units"], devices, gather_output=role != "column", **dense, **common
+        )
+    if isinstance(layer, keras.layers.Embedding):
+        return VocabParallelEmbedding(
+            config["input_dim"],
+            config["output_dim"],
+            devices,
+            embeddings_initializer=config["embeddings_initializer"],
+            mask_zero=config["mask_zero"],
+            **common,
+        )
+    keys = (
+        "value_dim",
+        "dropout",
+        "use_bias",
+        "output_shape",
+        "kernel_initializer",
+        "bias_initializer",
+        "seed",
+    )
+    return HeadParallelMultiHeadAttention(
+        config["num_heads"], config["key_dim"], devices, **{k: config[k] for k in keys}, **common
+    )
+
+
+def _call(layer, *args, **kwargs):
+    args = [a.tensors if isinstance(a, _Shards) else a for a in args]
+    outputs = layer(*args, **kwargs)
+    if isinstance(layer, ColumnParallelDense) and not layer.gather_output:
+        return _Shards(outputs)
+    return outputs
+
+
+def tensor_split(model, devices, tensor_layers=None):
+    """A copy of `model` with its eligible layers split over `devices`, weights preserved.
+
+    Layers not split keep their class and config and live on `devices[0]`.
+
+    Raises:
+        ModelSplitError: a named layer is missing or of an unsupported type, a layer uses an
+            option with no split form, or a dimension does not divide by `len(devices)`.
+    """
+    targets = _targets(model, tensor_layers)
+    if not targets:
+        raise ModelSplitError(
+            f"Model {model.name!r} has no layer to tensor-split: expected at least one of "
+            f"{[cls.__name__ for cls in SUPPORTED]} among its top-level layers."
+        )
+    for layer in targets:
+        _check_supported(layer)
+    firsts, seconds = _pairs(model, targets)
+    roles = {
+        t.name: "column" if t.name in firsts else "row" if t.name in seconds else "gather" for t in targets
+    }
+
+    def make(layer):
+        if layer.name in roles:
+            return _split_form(layer, devices, roles[layer.name])
+        return clone_layer(layer)
+
+    with tf.device(devices[0]):
+        if isinstance(model, keras.Sequential):
+            layers = [model_input(model)] + [make(layer) for layer in model.layers]
+            split = SplitSequential(layers, name=f"{model.name}_split")
+        else:
+            clone = keras.models.clone_model(model, clone_function=make, call_function=_call)
+            split = SplitFunctional(clone.inputs, clone.outputs, name=f"{model.name}_split")
+    copy_weights(model.layers, split)
+    return split

@@ -1,0 +1,427 @@
+"""`tfscale-train`: flags -> cluster -> strategy -> dataset -> model -> `fit` -> evaluate -> save.
+
+    tfscale-train                                   # bundled digits, MLP, strategy "auto"
+    tfscale-train --flagfile=flagfiles/mirrored.cfg # 2 replicas over logical CPUs
+    tfscale-launch --num_workers 2 -- tfscale-train --flagfile=flagfiles/multi_worker.cfg
+
+Core: `train(TrainConfig(...)) -> TrainResult` takes plain values; `config_from_flags`
+is the only reader of absl flags; `run()` is the console script. Only the chief writes
+files (TensorBoard logs, `model.keras`, `summary.json` under `--model_dir`); every
+process prints its summary, the last line as `tfscale-train-result: {json}`.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Optional
+
+from absl import flags
+
+from tfscale import flags as tfscale_flags
+
+__all__ = [
+    "RESULT_PREFIX",
+    "TrainConfig",
+    "TrainError",
+    "TrainResult",
+    "config_from_flags",
+    "main",
+    "run",
+    "train",
+]
+
+RESULT_PREFIX = "tfscale-train-result: "
+DEFAULT_GLOBAL_BATCH_SIZE = 64
+_log = logging.getLogger("tfscale")
+
+
+class TrainError(ValueError):
+    """A training option that cannot be honoured (names the value and what was expected)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything `train` needs, as plain values (the flags of the same names)."""
+
+    strategy: str = "auto"
+    strategy_options: Any = dataclasses.field(default_factory=dict)
+    cluster: Any = None  # a tfscale.cluster.ClusterSpec, or None for one process
+    dataset: str = "digits"
+    data_dir: Optional[str] = None
+    global_batch_size: Optional[int] = None
+    per_replica_batch_size: Optional[int] = None
+    shuffle_buffer: Optional[int] = None
+    seed: int = 0
+    sharding: str = "auto"
+    model: str = "mlp"
+    epochs: int = 10
+    steps_per_epoch: Optional[int] = None
+    learning_rate: float = 0.003
+    optimizer: str = "adam"
+    lr_warmup_epochs: float = 0.0
+    lr_scaling: str = "none"
+    mixed_precision: str = "float32"
+    jit_compile: bool = False
+    steps_per_execution: int = 1
+    backup_dir: Optional[str] = None
+    backup_freq: Any = "epoch"
+    fail_at_step: Optional[int] = None
+    model_dir: Optional[str] = None
+    verbose: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What a training run did (what `run` prints)."""
+
+    strategy: str
+    num_replicas: int
+    num_workers: int
+    task: str
+    is_chief: bool
+    global_batch_size: int
+    sharding: str
+    epochs: int
+    steps_per_epoch: int
+    seconds: float
+    examples_per_sec: Optional[float]
+    history: dict
+    evaluation: dict
+    model_path: Optional[str]
+
+    def to_json(self):
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def config_from_flags(fv):
+    """The thin adapter: a `TrainConfig` from parsed flags `fv`."""
+    name, options = tfscale_flags.strategy_args(fv)
+    freq = fv.backup_freq
+    return TrainConfig(
+        strategy=name,
+        strategy_options=options,
+        cluster=tfscale_flags.cluster_spec(fv),
+        **{
+            f.name: fv[f.name].value
+            for f in dataclasses.fields(TrainConfig)
+            if f.name not in ("strategy", "strategy_options", "cluster", "backup_freq", "verbose")
+        },
+        backup_freq=int(freq) if freq.isdigit() else freq,
+    )
+
+
+def _is_chief(cluster):
+    if cluster is None or cluster.task_type is None:
+        return True
+    if "chief" in cluster.cluster:
+        return cluster.task_type == "chief"
+    return cluster.task_type == "worker" and cluster.task_index == 0
+
+
+def _make_strategy(config):
+    import tensorflow as tf
+
+    import tfscale.strategies
+
+    cluster = config.cluster
+    name, options = config.strategy, dict(config.strategy_options)
+    multi = cluster is not None and cluster.num_workers > 1 and cluster.task_type in ("chief", "worker")
+    if multi and name in ("auto", "multi_worker"):
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({k: list(v) for k, v in cluster.cluster.items()}),
+            task_type=cluster.task_type,
+            task_id=cluster.task_index,
+            rpc_layer="grpc",
+        )
+        return "multi_worker", tfscale.strategies.get("multi_worker", cluster_resolver=resolver, **options)
+    if name not in ("auto", "multi_worker"):
+        options.pop("communication", None)  # Set by default-less flag only for collectives.
+    return name, tfscale.strategies.get(name, **options)
+
+
+def _global_batch(config, replicas):
+    if config.per_replica_batch_size is not None:
+        return config.per_replica_batch_size * replicas
+    return config.global_batch_size or DEFAULT_GLOBAL_BATCH_SIZE
+
+
+def _eval_dataset(config, strategy, global_batch):
+    import tfscale.datasets
+
+    for split in ("test", "validation"):
+        try:
+            return tfscale.datasets.load(
+                config.dataset,
+                split,
+                global_batch,
+                strategy,
+                data_dir=config.data_dir,
+                sharding=config.sharding,
+            ), split
+        except tfscale.datasets.DatasetError as e:
+            if not str(e).startswith("Unknown split"):
+                raise
+    return None, None
+
+
+def _optimizer(config, learning_rate):
+    import keras
+
+    classes = {
+        "adam": keras.optimizers.Adam,
+        "adamw": keras.optimizers.AdamW,
+        "sgd": keras.optimizers.SGD,
+        "rmsprop": keras.optimizers.RMSprop,
+    }
+    if config.optimizer not in classes:
+        raise TrainError(
+            f"Invalid value for `optimizer`. Received: optimizer={config.optimizer!r}. "
+            f"Expected one of {sorted(classes)}."
+        )
+    return classes[config.optimizer](learning_rate)
+
+
+def _callbacks(config, strategy, info, steps_per_epoch, is_chief):
+    import keras
+
+    from tfscale.callbacks.lr_warmup import LearningRateWarmup
+    from tfscale.callbacks.step_timer import StepTimer
+
+    replicas = strategy.num_replicas_in_sync
+    timer = StepTimer(info.global_batch_size, replicas, config.steps_per_execution)
+    callbacks = [timer]
+    scale = replicas if config.lr_scaling == "linear" else 1
+    if config.lr_warmup_epochs or scale != 1:
+        # Goyal et al. ramp from the base rate to rate x replicas; unscaled, ramp from zero.
+        initial = config.learning_rate if scale != 1 else 0.0
+        callbacks.insert(
+            0,
+            LearningRateWarmup(
+                config.learning_rate, config.lr_warmup_epochs, steps_per_epoch, scale, initial
+            ),
+        )
+    if config.backup_dir:
+        callbacks.append(_backup_callback(config))
+    if config.fail_at_step:
+        callbacks.append(_fail_at_callback(config.fail_at_step))
+    if is_chief and config.model_dir:
+        callbacks.append(keras.callbacks.TensorBoard(os.path.join(config.model_dir, "logs")))
+    return callbacks, timer
+
+
+def _backup_callback(config):
+    try:
+        from tfscale.callbacks import BackupAndRestore
+    except ImportError:
+        raise TrainError(
+            f"`backup_dir={config.backup_dir!r}` needs tfscale.callbacks.BackupAndRestore, which this "
+            "installation lacks."
+        ) from None
+    return BackupAndRestore(config.backup_dir, save_freq=config.backup_freq)
+
+
+def _fail_at_callback(step):
+    try:
+        from tfscale.callbacks import FailAt
+    except ImportError:
+        raise TrainError(
+            f"`fail_at_step={step}` needs tfscale.callbacks.FailAt, which this installation lacks."
+        ) from None
+    return FailAt(step)
+
+
+def _build_model(config, strategy, info, learning_rate):
+    import keras
+
+    from tfscale import models
+
+    features = info.element_spec[0]
+    with strategy.scope():
+        model = models.build(config.model, features.shape[1:], info.num_classes)
+        model.compile(
+            optimizer=_optimizer(config, learning_rate),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            jit_compile=config.jit_compile,
+            steps_per_execution=config.steps_per_execution,
+        )
+    return model
+
+
+def _save(model, config, result_fields):
+    """Writes `model.keras` and `summary.json` under `model_dir`, each atomically (chief only)."""
+    os.makedirs(config.model_dir, exist_ok=True)
+    path = os.path.join(config.model_dir, "model.keras")
+    model.save(path + ".tmp.keras")
+    os.replace(path + ".tmp.keras", path)
+    summary = os.path.join(config.model_dir, "summary.json")
+    with open(summary + ".tmp", "w") as f:
+        json.dump({**result_fields, "model_path": path}, f, indent=1, sort_keys=True)
+    os.replace(summary + ".tmp", summary)
+    return path
+
+
+def _floats(logs):
+    return {k: [float(v) for v in vs] if isinstance(vs, list) else float(vs) for k, vs in logs.items()}
+
+
+def train(config):
+    """Trains `config.model` on `config.dataset` under the configured strategy.
+
+    Args:
+        config: a `TrainConfig`.
+
+    Returns:
+        A `TrainResult` (history, evaluation, throughput, where the model was saved).
+
+    Raises:
+        TrainError, StrategyError, DatasetError, ModelError, ClusterSpecError: options
+            that cannot be honoured (each a `ValueError` with a one-line message).
+    """
+    import keras
+
+    import tfscale.datasets
+
+    name, strategy = _make_strategy(config)
+    name = f"{name} ({type(strategy).__name__})"
+    replicas = strategy.num_replicas_in_sync
+    is_chief = _is_chief(config.cluster)
+    keras.mixed_precision.set_global_policy(config.mixed_precision)
+    keras.utils.set_random_seed(config.seed)
+    global_batch = _global_batch(config, replicas)
+    ds, info = tfscale.datasets.load(
+        config.dataset,
+        "train",
+        global_batch,
+        strategy,
+        seed=config.seed,
+        data_dir=config.data_dir,
+        shuffle_buffer=config.shuffle_buffer,
+        sharding=config.sharding,
+        with_info=True,
+    )
+    steps = config.steps_per_epoch or info.steps_per_epoch
+    if config.steps_per_epoch:
+        ds = ds.repeat()  # Keras keeps one iterator across epochs when steps are given.
+    eval_ds, eval_split = _eval_dataset(config, strategy, global_batch)
+    scale = replicas if config.lr_scaling == "linear" else 1
+    model = _build_model(config, strategy, info, config.learning_rate * scale)
+    callbacks, timer = _callbacks(config, strategy, info, steps, is_chief)
+    _log.info(
+        "train: strategy=%s replicas=%d workers=%d global_batch=%d steps/epoch=%d",
+        name,
+        replicas,
+        info.num_workers,
+        global_batch,
+        steps,
+    )
+    start = time.perf_counter()
+    history = model.fit(
+        ds,
+        epochs=config.epochs,
+        steps_per_epoch=config.steps_per_epoch,
+        callbacks=callbacks,
+        shuffle=False,  # load() already shuffles, by seed; Keras would only warn.
+        verbose=config.verbose if is_chief else 0,
+    )
+    seconds = time.perf_counter() - start
+    evaluation = {}
+    if eval_ds is not None:
+        evaluation = {
+            f"{eval_split}_{k}": v for k, v in model.evaluate(eval_ds, return_dict=True, verbose=0).items()
+        }
+    cluster = config.cluster
+    fields = dict(
+        strategy=name,
+        num_replicas=replicas,
+        num_workers=info.num_workers,
+        task=f"{cluster.task_type}:{cluster.task_index}" if cluster and cluster.task_type else "local",
+        is_chief=is_chief,
+        global_batch_size=global_batch,
+        sharding=info.sharding,
+        epochs=config.epochs,
+        steps_per_epoch=steps,
+        seconds=seconds,
+        examples_per_sec=timer.throughput,
+        history=_floats(history.history),
+        evaluation=_floats(evaluation),
+    )
+    model_path = _save(model, config, fields) if is_chief and config.model_dir else None
+    return TrainResult(**fields, model_path=model_path)
+
+
+def summary_lines(result):
+    """The short human summary `run` prints."""
+    h, e = result.history, result.evaluation
+    rate = f"{result.examples_per_sec:.0f} examples/s" if result.examples_per_sec else "examples/s n/a"
+    per_replica = (
+        f" ({result.examples_per_sec / result.num_replicas:.0f} per replica)"
+        if result.examples_per_sec
+        else ""
+    )
+    evaluated = " ".join(f"{k}={v:.4f}" for k, v in sorted(e.items()))
+    return [
+        f"strategy: {result.strategy}, replicas: {result.num_replicas}, workers: {result.num_workers}, "
+        f"task: {result.task}, global batch: {result.global_batch_size}, sharding: {result.sharding}",
+        f"trained {result.epochs} epochs x {result.steps_per_epoch} steps in {result.seconds:.1f} s, "
+        f"{rate}{per_replica}",
+        f"final train loss={h['loss'][-1]:.4f} accuracy={h['accuracy'][-1]:.4f}; {evaluated}",
+    ]
+
+
+def main(argv, fv):
+    """Parses `argv` into `fv` (with tfscale's flags defined), trains, prints the summary."""
+    fv(argv)
+    result = train(config_from_flags(fv))
+    for line in summary_lines(result):
+        print(line)
+    print(RESULT_PREFIX + result.to_json(), flush=True)
+    return result
+
+
+def _error_types():
+    from tfscale.cluster import ClusterSpecError
+    from tfscale.datasets import DatasetError
+    from tfscale.models import ModelError
+    from tfscale.strategies import StrategyError
+
+    return (TrainError, ClusterSpecError, DatasetError, ModelError, StrategyError)
+
+
+def run(argv=None):
+    """Console script `tfscale-train`: bad input is one line on stderr and exit status 2."""
+    argv = list(sys.argv if argv is None else argv)
+    prog = "tfscale-train"
+    fv = flags.FlagValues()
+    tfscale_flags.define_all(fv)
+    if any(a in ("--help", "-h", "--helpshort", "--helpfull") for a in argv[1:]):
+        print(fv.get_help())
+        return 0
+    try:
+        fv(argv)
+    except flags.Error as e:
+        text = str(e).splitlines()[0]
+        if text.startswith("flags ") and ": --" in text:
+            text = "--" + text.split(": --", 1)[1]  # Multi-flag validators: our message names the flags.
+        print(f"{prog}: error: {text}", file=sys.stderr)
+        return 2
+    # TensorFlow's C++ INFO/WARNING lines would bury the one-line errors and the summary.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    _log.addHandler(handler)
+    _log.propagate = False  # absl's root handler would print every line a second time on stderr.
+    _log.setLevel(logging.INFO)
+    try:
+        main(argv, fv)
+    except _error_types() as e:
+        print(f"{prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

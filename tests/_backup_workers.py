@@ -1,0 +1,159 @@
+"""Tiny training runs for the backup tests, chaos and bench scripts (in-process, subprocess, cluster).
+
+A run trains a small dropout MLP for a few epochs (~50 steps, well under a second after
+TensorFlow's import) with `BackupAndRestore` and optional `FailAt`, and returns its
+final weights and how many steps it actually ran. As a script:
+
+    python tests/_backup_workers.py '{"backup_dir": "/tmp/b", "out": "/tmp/r.pkl", ...}'
+"""
+
+import json
+import logging
+import os
+import pickle
+import sys
+
+__all__ = ["build_model", "cluster_train", "main", "make_data", "step_counter", "train"]
+
+NUM_SAMPLES, FEATURES = 128, 8
+
+
+def make_data(dataset, batch_size):
+    """`(x, y)` arrays, or a tf.data pipeline that reshuffles on every iteration."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(NUM_SAMPLES, FEATURES)).astype("float32")
+    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(NUM_SAMPLES, 1))).astype("float32")
+    if dataset == "array":
+        return {"x": x, "y": y, "batch_size": batch_size}
+    if dataset == "tfdata_reshuffle":
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+            NUM_SAMPLES, seed=7, reshuffle_each_iteration=True
+        )
+        return {"x": ds.batch(batch_size)}
+    raise ValueError(f"unknown dataset {dataset!r}")
+
+
+def _counter_class():
+    import keras
+
+    class StepCounter(keras.callbacks.Callback):
+        """Counts the train steps `fit` actually ran in this process."""
+
+        def __init__(self):
+            super().__init__()
+            self.steps = 0
+            self.first_step_time = None
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._begin = batch
+
+        def on_train_batch_end(self, batch, logs=None):
+            import time
+
+            self.first_step_time = self.first_step_time or time.monotonic()
+            self.steps += batch - self._begin + 1
+
+    return StepCounter
+
+
+def step_counter():
+    """A fresh callback that counts the steps `fit` ran (`.steps`)."""
+    return _counter_class()()
+
+
+def _strategy(name):
+    import tfscale.strategies
+
+    if name == "mirrored":
+        return tfscale.strategies.get("mirrored", cpu_replicas=2)
+    return tfscale.strategies.get(name)
+
+
+def build_model(strategy, steps_per_execution=1, units=16):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(units, activation="relu"),
+                keras.layers.Dropout(0.25),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(keras.optimizers.Adam(1e-2), "mse", steps_per_execution=steps_per_execution)
+    return model
+
+
+def train(
+    backup_dir,
+    *,
+    epochs=3,
+    batch_size=8,
+    save_freq=5,
+    fail=None,
+    strategy="one_device",
+    stock=False,
+    steps_per_execution=1,
+    dataset="array",
+    units=16,
+    max_to_keep=None,
+    delete_checkpoint=True,
+):
+    """Trains once (resuming from `backup_dir` if it holds a backup); returns a result dict."""
+    import time
+
+    import keras
+
+    import tfscale.callbacks
+
+    started = time.monotonic()
+    strat = _strategy(strategy)
+    model = build_model(strat, steps_per_execution, units)
+    if stock:
+        backup = keras.callbacks.BackupAndRestore(
+            backup_dir, save_freq=save_freq, delete_checkpoint=delete_checkpoint
+        )
+    else:
+        backup = tfscale.callbacks.BackupAndRestore(
+            backup_dir, save_freq=save_freq, max_to_keep=max_to_keep, delete_checkpoint=delete_checkpoint
+        )
+    counter = step_counter()
+    callbacks = [backup, counter]
+    if fail:
+        callbacks.append(tfscale.callbacks.FailAt(fail["step"], fail["mode"], task=fail.get("task")))
+    model.fit(**make_data(dataset, batch_size), epochs=epochs, callbacks=callbacks, verbose=0)
+    return {
+        "weights": [v.numpy() for v in model.weights],
+        "steps_run": counter.steps,
+        "restored": None if stock else backup.restored_from,
+        "global_step": int(model.optimizer.iterations.numpy()),
+        "seconds_to_first_step": None
+        if counter.first_step_time is None
+        else counter.first_step_time - started,
+    }
+
+
+def cluster_train(backup_dir, **kwargs):
+    """`train` under `multi_worker` in each task of a `run_local_cluster`."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return train(backup_dir, strategy="multi_worker", **kwargs)
+
+
+def main(argv):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = json.loads(argv[1])
+    out = config.pop("out")
+    result = train(**config)
+    with open(out + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(out + ".tmp", out)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

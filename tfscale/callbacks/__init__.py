@@ -1,0 +1,20 @@
+"""Drop-in Keras callbacks for training that scales and survives faults."""
+
+from tfscale.callbacks.backup_and_restore import (
+    RESTART_EXIT_CODE,
+    BackupAndRestore,
+    BackupError,
+    BackupMismatchError,
+    UnusableBackupError,
+)
+from tfscale.callbacks.fail_at import FailAt, InjectedFault
+
+__all__ = [
+    "RESTART_EXIT_CODE",
+    "BackupAndRestore",
+    "BackupError",
+    "BackupMismatchError",
+    "FailAt",
+    "InjectedFault",
+    "UnusableBackupError",
+]

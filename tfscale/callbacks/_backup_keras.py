@@ -1,0 +1,113 @@
+"""The private Keras 3 internals that exact mid-epoch resume needs, all in this one module.
+
+Keras 3 (3.0 to at least 3.15.1, TensorFlow backend) resumes a backup only at an epoch
+boundary: `keras.callbacks.BackupAndRestore` sets `model._initial_epoch`, and a
+mid-epoch backup re-runs the whole epoch (keras-team/keras#18891 "BackupAndRestore
+resumes from the start of the epoch"; tf_keras had `_initial_step` for this). `fit`
+gives callbacks no handle on its input, so this module:
+
+1. finds the `TFEpochIterator` of the running `fit` call (the local `epoch_iterator`
+   of the `fit` frame whose `self` is the model; it exists before `on_train_begin`);
+2. counts the input iterators that `fit` creates (`_get_iterator`), and reads how many
+   batches the current one has given (`_steps_seen`), which is the input position;
+3. on resume, replays that position once: creates and drops as many fresh iterators as
+   the interrupted run had made (a dataset that reshuffles on each iteration then
+   gives the same order), discards the consumed batches of the current one, and lets
+   the loop start at the saved step. Discarded batches are read, never trained on, and
+   callbacks see only the steps that run, numbered as in an uninterrupted run.
+
+Supported: the TensorFlow backend's `TFEpochIterator`, where `fit` calls
+`train_function(iterator)` and the function itself pulls the batches.
+"""
+
+import sys
+
+__all__ = ["InputTracker", "find_epoch_iterator", "set_initial_epoch"]
+
+
+def set_initial_epoch(model, epoch):
+    """What Keras's own callback does: `fit` starts at `model._initial_epoch` when set."""
+    model._initial_epoch = epoch
+
+
+def find_epoch_iterator(model):
+    """The `epoch_iterator` of the `fit` call of `model` on the stack, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            found = frame.f_locals.get("epoch_iterator")
+            if found is not None and hasattr(found, "_enumerate_iterator"):
+                return found
+        frame = frame.f_back
+    return None
+
+
+class InputTracker:
+    """Tracks and replays the input position of one `fit` call's epoch iterator.
+
+    Args:
+        epoch_iterator: the `TFEpochIterator` found by `find_epoch_iterator`.
+        iterators_made: iterators made before this `fit` call (from a backup).
+    """
+
+    def __init__(self, epoch_iterator, iterators_made=0):
+        self._it = epoch_iterator
+        self.iterators_made = iterators_made
+        self._replay = None
+        original = epoch_iterator._get_iterator
+
+        def _counted_get_iterator():
+            self.iterators_made += 1
+            return original()
+
+        # Instance attributes shadow the methods for this one iterator object only.
+        epoch_iterator._get_iterator = _counted_get_iterator
+        self._original_get_iterator = original
+
+    @property
+    def steps_per_execution(self):
+        return self._it.steps_per_execution
+
+    def position(self, *, at_epoch_end):
+        """`(iterators_made, live, batches_taken)` to store in a backup.
+
+        `live` says whether the next step continues the current iterator (mid-epoch,
+        or a `steps_per_epoch` run that keeps one iterator across epochs).
+        """
+        if not at_epoch_end:
+            return self.iterators_made, True, int(self._it._steps_seen)
+        live = self._it.steps_per_epoch is not None and self._it._current_iterator is not None
+        return self.iterators_made, live, int(self._it._steps_seen) if live else 0
+
+    def resume(self, *, step, iterators_made, live, batches_taken):
+        """Makes the next epoch of `fit` start at `step` with the input where it was."""
+        drop = max(0, iterators_made - 1 if live else iterators_made)
+        for _ in range(drop):
+            iter(self._original_get_iterator())
+        self.iterators_made += drop
+        if step or (live and batches_taken):
+            self._replay = (step, batches_taken if live else 0)
+            original = type(self._it)._enumerate_iterator.__get__(self._it)
+            self._it._enumerate_iterator = lambda: self._resumed_epoch(original)
+
+    def _resumed_epoch(self, original):
+        del self._it._enumerate_iterator  # one epoch only; later epochs are Keras's own
+        step, taken = self._replay
+        spe = self._it.steps_per_execution
+        generator = original()
+        try:
+            item = next(generator)
+            for _ in range(taken):
+                next(item[2])
+            for _ in range(step // spe):
+                item = next(generator)
+        except (StopIteration, RuntimeError):
+            return  # The input is shorter than when the backup was made.
+        # The loop above counted `spe` batches per step it skipped; the truth is `taken`.
+        self._it._steps_seen = taken + spe
+        yield item
+        yield from generator
+
+    def close(self):
+        self._it.__dict__.pop("_get_iterator", None)
+        self._it.__dict__.pop("_enumerate_iterator", None)

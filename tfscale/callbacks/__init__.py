@@ -8,6 +8,8 @@ from tfscale.callbacks.backup_and_restore import (
     UnusableBackupError,
 )
 from tfscale.callbacks.fail_at import FailAt, InjectedFault
+from tfscale.callbacks.lr_warmup import LearningRateWarmup
+from tfscale.callbacks.step_timer import StepTimer
 
 __all__ = [
     "RESTART_EXIT_CODE",
@@ -16,5 +18,7 @@ __all__ = [
     "BackupMismatchError",
     "FailAt",
     "InjectedFault",
+    "LearningRateWarmup",
+    "StepTimer",
     "UnusableBackupError",
 ]

@@ -8,6 +8,8 @@ import socket
 import urllib.parse
 
 import tensorflow as tf
+
+from tfscale.compat import collective_keys, keras_multi_worker
 from tfscale.strategies._devices import cpu_device_names, split_cpu
 from tfscale.strategies._errors import StrategyError
 
@@ -88,7 +90,13 @@ def _mirrored(*, devices=None, num_gpus=None, cross_device_ops=None, cpu_replica
                 "Expected 'hierarchical_copy' or 'reduction_to_one_device' on CPU."
             )
         ops = _CROSS_DEVICE_OPS[cross_device_ops]()
-    return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
+    # Fresh collective keys on both sides: strategies built before or after this one
+    # (by tfscale or by hand) must not share group keys with it.
+    keras_multi_worker.apply()  # Also fixes uneven per-replica batches under MirroredStrategy.
+    collective_keys.reserve_key_range()
+    strategy = tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
+    collective_keys.reserve_key_range()
+    return strategy
 
 
 def _positive_number(value):

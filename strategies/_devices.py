@@ -1,6 +1,7 @@
 """Splitting the host CPU into logical devices so data parallelism runs without GPUs."""
 
 import tensorflow as tf
+
 from tfscale.strategies._errors import StrategyError
 
 __all__ = ["cpu_device_names", "split_cpu"]

@@ -10,7 +10,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tfscale.strategies  # noqa: E402
+import tfscale.strategies
 
 NUM_TEST_CPUS = 4
 tfscale.strategies.split_cpu(NUM_TEST_CPUS)

@@ -9,8 +9,11 @@ exactly those two, only on Keras versions that have them unfixed:
 1. `TensorFlowTrainer._maybe_symbolic_build` reduces the first *data batch*
    across workers with `strategy.reduce("MEAN", batch)` just to learn its
    shapes. Under MWMS that is a cross-worker collective on input data, which
-   fails ("Attempt to convert a value (PerReplica...)"). Fix: build from this
-   worker's first local replica batch (only shapes and dtypes are used).
+   fails ("Attempt to convert a value (PerReplica...)"). The same reduce also
+   breaks plain `MirroredStrategy` whenever the global batch does not split
+   evenly over the replicas (16 over 3: "Inputs to operation AddN ... must have
+   the same size"). Fix: build from this worker's first local replica batch
+   (only shapes and dtypes are used).
 2. `reduce_per_replica(..., "mean")` reduces per-replica logs (scalars) with
    `strategy.reduce("MEAN", v, axis=0)` under MWMS ("Invalid reduction
    dimension 0 for input with 0 dimensions"). Fix: scalars are reduced with
@@ -19,7 +22,8 @@ exactly those two, only on Keras versions that have them unfixed:
 
 Users who build `tf.distribute.MultiWorkerMirroredStrategy` themselves call
 `tfscale.compat.apply_multi_worker_fixes()` once before `model.fit`;
-`tfscale.strategies.get("multi_worker")` (and "auto" on a cluster) applies it.
+`tfscale.strategies.get` applies it for "mirrored" and "multi_worker" (and "auto"
+when it picks one of them).
 """
 
 import functools
@@ -87,7 +91,8 @@ def _make_reduce_per_replica(original):
         if reduction in ("auto", "mean") and trainer._collective_all_reduce_multi_worker(strategy):
 
             def _mean(v):
-                axis = None if v.shape.rank == 0 else 0
+                local = strategy.experimental_local_results(v)[0]
+                axis = None if local.shape.rank == 0 else 0
                 return strategy.reduce("MEAN", v, axis=axis)
 
             return tf.nest.map_structure(_mean, values)

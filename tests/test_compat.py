@@ -1,0 +1,90 @@
+"""tfscale.compat: version gates and in-process effects of the Keras 3 fixes.
+
+The multi-worker behaviour the fixes exist for is tested on real clusters in
+tests/test_multi_worker.py (with and without the fix).
+"""
+
+from unittest import mock
+
+import _foundation_workers as workers
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfscale.compat
+from tfscale.compat import keras_multi_worker
+from tfscale.strategies import get
+
+
+@pytest.mark.parametrize(
+    ("version", "fixed_in", "needed"),
+    [
+        ("3.15.1", None, True),
+        ("3.0.0", None, True),
+        ("2.15.0", None, False),
+        ("3.15.1", "3.16.0", True),
+        ("3.16.0", "3.16.0", False),
+        ("3.17.0rc1", "3.16.0", False),
+    ],
+)
+def test_fix_is_version_gated(version, fixed_in, needed):
+    with mock.patch.object(keras_multi_worker, "_FIXED_IN", fixed_in):
+        assert keras_multi_worker.needed(version) is needed
+
+
+def test_apply_is_a_no_op_where_upstream_is_fixed():
+    from keras.src.backend.tensorflow import trainer
+
+    before = (trainer.TensorFlowTrainer._maybe_symbolic_build, trainer.reduce_per_replica)
+    state = {"applied": False}
+    with (
+        mock.patch.object(keras_multi_worker, "_state", state),
+        mock.patch.object(keras_multi_worker, "_FIXED_IN", "3.0.0"),
+    ):
+        assert tfscale.compat.apply_multi_worker_fixes() is False
+    assert (trainer.TensorFlowTrainer._maybe_symbolic_build, trainer.reduce_per_replica) == before
+
+
+def test_fixed_keras_still_matches_one_device_under_mirrored():
+    """The patched functions must not change single-host results."""
+    reference = workers.train_and_report(get("one_device", device="/cpu:0"))
+    assert tfscale.compat.apply_multi_worker_fixes() is True
+    assert tfscale.compat.apply_multi_worker_fixes() is True  # idempotent
+    assert keras_multi_worker.is_applied()
+    run = workers.train_and_report(get("mirrored", cpu_replicas=2))
+    for got, want in zip(run["weights"], reference["weights"]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(run["predict"], reference["predict"], rtol=1e-5, atol=1e-6)
+
+
+def test_hand_built_and_tfscale_mirrored_strategies_coexist_in_one_process():
+    """Without fresh collective keys the second strategy aborts ("joining a group with size 4").
+
+    (Two hand-built strategies of different sizes in one process still clash: that
+    is TensorFlow's behaviour, which tfscale cannot change for objects it did not build.)
+    """
+    runs = []
+    for strategy in (
+        tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+        get("mirrored", cpu_replicas=4),
+        tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+    ):
+        runs.append(workers.train_and_report(strategy))
+    for run in runs[1:]:
+        for got, want in zip(run["weights"], runs[0]["weights"]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_global_batch_not_divisible_by_replicas_trains():
+    """16 examples over 3 replicas (6, 6, 4): stock Keras 3 fails building the model.
+
+    Not bit-equal to one device: Keras averages the replicas' mean losses with equal
+    weights (1/3 each), not by their example counts, so uneven splits weigh examples
+    differently (documented in the README). Equal splits are exact (other tests).
+    """
+    reference = workers.train_and_report(get("one_device", device="/cpu:0"))
+    run = workers.train_and_report(get("mirrored", cpu_replicas=3))
+    assert run["replicas"] == 3
+    assert run["history"]["loss"][1] < run["history"]["loss"][0]
+    for got, want in zip(run["weights"], reference["weights"]):
+        np.testing.assert_allclose(got, want, atol=2e-2)

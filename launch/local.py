@@ -9,13 +9,13 @@ want to try multi-worker code on one machine:
 
 import dataclasses
 import importlib.util
-import json
 import os
 import pickle
 import sys
 import tempfile
 import time
 
+from tfscale.cluster import ClusterSpec
 from tfscale.launch import _procs
 
 __all__ = ["ClusterRunError", "TaskResult", "run_local_cluster"]
@@ -44,10 +44,11 @@ class TaskResult:
         return self.returncode == 0
 
 
-def _tf_config(ports, task_type, index, chief):
+def _cluster(ports, chief):
     addresses = [f"127.0.0.1:{p}" for p in ports]
-    cluster = {"chief": addresses[:1], "worker": addresses[1:]} if chief else {"worker": addresses}
-    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+    if chief:
+        return ClusterSpec.from_hosts(workers=addresses[1:], chief=addresses[0])
+    return ClusterSpec.from_hosts(workers=addresses)
 
 
 def _tasks(num_workers, chief):
@@ -110,7 +111,7 @@ def run_local_cluster(
     tasks = _tasks(num_workers, chief)
     own_dir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="tfscale-cluster-")
-    ports = _procs.free_ports(len(tasks))
+    cluster = _cluster(_procs.free_ports(len(tasks)), chief)
     if callable(target):
         spec_path = os.path.join(workdir, "target.pkl")
         with open(spec_path, "wb") as f:
@@ -122,7 +123,7 @@ def run_local_cluster(
     try:
         for task_type, index in tasks:
             task_env = dict(os.environ, **(env or {}))
-            task_env["TF_CONFIG"] = _tf_config(ports, task_type, index, chief)
+            task_env["TF_CONFIG"] = cluster.to_json(task_type, index)
             task_env["TFSCALE_RESULT"] = os.path.join(workdir, f"{task_type}-{index}.result")
             log_path = os.path.join(workdir, f"{task_type}-{index}.log")
             with open(log_path, "wb") as log_file:

@@ -1,7 +1,6 @@
 """`get(name, **options)`: the real tf.distribute strategies, configured well."""
 
 import inspect
-import json
 import logging
 import os
 import socket
@@ -9,6 +8,7 @@ import urllib.parse
 
 import tensorflow as tf
 
+from tfscale.cluster import ClusterSpec
 from tfscale.compat import collective_keys, keras_multi_worker
 from tfscale.strategies._devices import cpu_device_names, split_cpu
 from tfscale.strategies._errors import StrategyError
@@ -149,11 +149,9 @@ def _tpu(*, tpu=None):
 
 
 def _tf_config_workers(environ):
-    try:
-        cluster = json.loads(environ.get("TF_CONFIG") or "{}").get("cluster", {})
-    except (ValueError, AttributeError):
+    if not environ.get("TF_CONFIG", "").strip():
         return 0
-    return sum(len(cluster.get(t, ())) for t in ("chief", "worker"))
+    return ClusterSpec.from_env(environ).num_workers  # A malformed TF_CONFIG is a clear error.
 
 
 def _auto(*, cpu_replicas=None, tpu=None, communication="auto", timeout_seconds=None):

@@ -149,3 +149,9 @@ def test_unreachable_tpu_address_fails_fast_naming_it():
 def test_split_cpu_reuses_a_larger_existing_split():
     assert tfscale.strategies.split_cpu(2) == ["/device:CPU:0", "/device:CPU:1"]
     assert len(tf.config.list_logical_devices("CPU")) == 4
+
+
+def test_auto_rejects_a_malformed_tf_config_instead_of_guessing():
+    bad = json.dumps({"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2222"]}})
+    with mock.patch.dict("os.environ", {"TF_CONFIG": bad}), pytest.raises(ValueError, match="uplicate"):
+        get("auto")

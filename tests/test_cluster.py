@@ -9,10 +9,10 @@ import _cluster_workers as workers
 import numpy as np
 import pytest
 import tensorflow as tf
-import tfscale.strategies
-from tfscale.launch import _procs, run_local_cluster
 
+import tfscale.strategies
 from tfscale.cluster import ClusterSpec, ClusterSpecError
+from tfscale.launch import _procs, run_local_cluster
 
 W3 = {"worker": ["a:2222", "b:2222", "c:2222"]}
 

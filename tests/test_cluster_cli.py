@@ -52,6 +52,11 @@ def test_module_entry_point_matches_console_script():
     assert ok(*args, binary=(sys.executable, "-m", "tfscale.cluster_cli")) == ok(*args)
 
 
+def test_importing_the_cli_does_not_import_tensorflow():
+    code = "import sys, tfscale.cluster, tfscale.cluster_cli; sys.exit('tensorflow' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False, env=CLEAN_ENV).returncode == 0
+
+
 def test_export_format_evaluates_in_bash(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# two GPUs each\nnode1 slots=2\nnode2 slots=2\n")

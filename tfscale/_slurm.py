@@ -146,6 +146,7 @@ def _rank_layout(counts, distribution):
 def _distribution(environ):
     value = environ.get("SLURM_DISTRIBUTION", "block").strip() or "block"
     node_level = value.split(":")[0].split(",")[0]
+    node_level = "block" if node_level == "*" else node_level  # '*' is Slurm's "default" (block)
     if node_level not in ("block", "cyclic"):
         raise _bad(
             "SLURM_DISTRIBUTION", value, "'block' or 'cyclic' (tfscale cannot place ranks of other layouts)"

@@ -79,6 +79,7 @@ def test_from_env_reads_tf_config_and_allows_no_task():
         ({"cluster": W3, "task": {"type": "worker", "index": 3}}, r"`task.index`. Received: 3.*0-2"),
         ({"cluster": W3, "task": {"type": "worker", "index": "1"}}, r"`task.index`. Received: '1'"),
         ({"cluster": W3, "task": {"type": "worker"}}, r"Missing `task.index`"),
+        ({"cluster": W3, "task": {"type": None, "index": 0}}, r"Missing `task.type`"),
         ({"cluster": W3, "task": ["worker", 0]}, r"Invalid value for `task`"),
     ],
 )

@@ -157,7 +157,7 @@ def _task_of(config):
                 f"Invalid key in `task`. Received: {describe(key)}. Expected only `type` and `index`."
             )
     for key in ("type", "index"):
-        if key not in task:
+        if task.get(key) is None:
             raise ClusterSpecError(
                 f"Missing `task.{key}` in TF_CONFIG. Expected both `task.type` and `task.index`."
             )

@@ -37,14 +37,14 @@ def run_launcher(args, marker, *, timeout=120, env=None, cwd=None):
     )
 
 
-def start_launcher(args, marker, *, env=None, cwd=None):
-    """Starts `tfscale-launch ARGS` (stdout and stderr piped, text)."""
+def start_launcher(args, marker, *, env=None, cwd=None, merge_stderr=False):
+    """Starts `tfscale-launch ARGS` (stdout and stderr piped, or stderr into stdout; text)."""
     return subprocess.Popen(
         [LAUNCHER, *args],
         env=_env(marker, env),
         cwd=cwd,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,
     )
 

@@ -18,10 +18,10 @@ from unittest import mock
 import pytest
 import tensorflow as tf
 from _launch_util import leftovers, new_marker, run_launcher, start_launcher
-from tfscale.launch import _remote, jobs
-from tfscale.launch.supervisor import LaunchError
 
 from tfscale.cluster import ClusterSpec
+from tfscale.launch import _remote, jobs
+from tfscale.launch.supervisor import LaunchError
 
 PRINT_ENV = "import os, json; print(json.dumps(dict(os.environ)))"
 

@@ -47,8 +47,8 @@ class TaskResult:
 def _cluster(ports, chief):
     addresses = [f"127.0.0.1:{p}" for p in ports]
     if chief:
-        return ClusterSpec.from_hosts(workers=addresses[1:], chief=addresses[0])
-    return ClusterSpec.from_hosts(workers=addresses)
+        return ClusterSpec({"chief": addresses[:1], "worker": addresses[1:]})
+    return ClusterSpec({"worker": addresses})
 
 
 def _tasks(num_workers, chief):

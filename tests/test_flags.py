@@ -1,0 +1,128 @@
+"""tfscale.flags: definitions, parse-time validators, flags -> plain values, the shipped flagfiles."""
+
+import glob
+import json
+import os
+from unittest import mock
+
+import pytest
+from absl import flags
+
+import tfscale.flags
+from tfscale.cluster import ClusterSpec
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TWO_WORKERS = json.dumps(
+    {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "task": {"type": "worker", "index": 1}}
+)
+
+
+def _parse(*args):
+    fv = flags.FlagValues()
+    tfscale.flags.define_all(fv)
+    fv(["prog", *args])
+    return fv
+
+
+def test_defaults_train_the_bundled_dataset_on_auto():
+    fv = _parse()
+    assert (fv.strategy, fv.dataset, fv.model, fv.global_batch_size, fv.epochs) == (
+        "auto",
+        "digits",
+        "mlp",
+        None,
+        10,
+    )
+    assert tfscale.flags.strategy_args(fv) == ("auto", {})
+
+
+def test_strategy_args_pass_only_the_options_given():
+    fv = _parse("--strategy=mirrored", "--cpu_replicas=2", "--cross_device_ops=reduction_to_one_device")
+    assert tfscale.flags.strategy_args(fv) == (
+        "mirrored",
+        {"cpu_replicas": 2, "cross_device_ops": "reduction_to_one_device"},
+    )
+    fv = _parse("--strategy=multi_worker", "--communication=ring")
+    assert tfscale.flags.strategy_args(fv) == ("multi_worker", {"communication": "ring"})
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--strategy=horovod"], r"--strategy=horovod: value should be one of <auto\|default\|one_device"),
+        (["--cpu_replicas=0"], r"--cpu_replicas expects a positive integer"),
+        (["--cpu_replicas=2", "--num_gpus=2"], r"cpu_replicas.*num_gpus"),
+        (["--dataset=imagenet"], r"--dataset='imagenet' is unknown\. Expected 'digits', 'tfds:"),
+        (["--dataset=tfds:"], r"--dataset='tfds:' is unknown"),
+        (["--data_dir=/nonexistent/tfds"], r"--data_dir='/nonexistent/tfds' does not exist"),
+        (["--global_batch_size=0"], r"--global_batch_size expects a positive integer"),
+        (["--global_batch_size=64", "--per_replica_batch_size=32"], r"exclude each other"),
+        (
+            ["--strategy=mirrored", "--cpu_replicas=4", "--global_batch_size=66"],
+            r"66 is not divisible by the 4",
+        ),
+        (
+            ["--model=resnet"],
+            r"--model='resnet' is unknown\. Expected one of \['mlp', 'cnn', 'transformer'\]",
+        ),
+        (["--epochs=0"], r"--epochs"),
+        (["--learning_rate=-1"], r"--learning_rate expects a positive number"),
+        (["--mixed_precision=fp8"], r"--mixed_precision=fp8: value should be one of"),
+        (["--backup_freq=often"], r"--backup_freq='often'\. Expected 'epoch' or a positive number"),
+        (["--tf_config={bad json"], r"--tf_config"),
+        (
+            ["--tf_config=/nonexistent.json"],
+            r"--tf_config='/nonexistent.json' is neither JSON nor an existing file",
+        ),
+    ],
+)
+def test_bad_flags_fail_at_parse_time_naming_the_flag(args, match):
+    with pytest.raises(flags.IllegalFlagValueError, match=match):
+        _parse(*args)
+
+
+@pytest.mark.parametrize(
+    ("args", "environ", "replicas"),
+    [
+        (["--strategy=one_device"], {}, 1),
+        (["--strategy=mirrored", "--cpu_replicas=3"], {}, 3),
+        (["--strategy=mirrored"], {}, None),  # all GPUs: only TensorFlow can count them
+        (["--strategy=multi_worker", "--cpu_replicas=2"], {"TF_CONFIG": TWO_WORKERS}, 4),
+        (["--cpu_replicas=2", f"--tf_config={TWO_WORKERS}"], {}, 4),
+        (["--strategy=multi_worker"], {"TF_CONFIG": TWO_WORKERS}, None),
+    ],
+)
+def test_expected_replicas_from_flags_alone(args, environ, replicas):
+    fv = _parse(*args)
+    values = {name: fv[name].value for name in ("strategy", "cpu_replicas", "num_gpus", "tf_config")}
+    assert tfscale.flags.expected_replicas(values, environ) == replicas
+
+
+def test_batch_split_check_reads_the_cluster_from_the_environment():
+    with mock.patch.dict(os.environ, {"TF_CONFIG": TWO_WORKERS}):
+        with pytest.raises(
+            flags.IllegalFlagValueError, match=r"--global_batch_size=65 is not divisible by the 2"
+        ):
+            _parse("--strategy=multi_worker", "--cpu_replicas=1", "--global_batch_size=65")
+
+
+def test_cluster_spec_from_flag_file_or_environment(tmp_path):
+    want = ClusterSpec.from_tf_config(TWO_WORKERS)
+    path = tmp_path / "tf_config.json"
+    path.write_text(TWO_WORKERS)
+    assert tfscale.flags.cluster_spec(_parse(f"--tf_config={TWO_WORKERS}"), environ={}) == want
+    assert tfscale.flags.cluster_spec(_parse(f"--tf_config={path}"), environ={}) == want
+    assert tfscale.flags.cluster_spec(_parse(), environ={"TF_CONFIG": TWO_WORKERS}) == want
+    assert tfscale.flags.cluster_spec(_parse(), environ={}) is None
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "flagfiles", "*.cfg"))))
+def test_shipped_flagfiles_parse(path):
+    fv = _parse(f"--flagfile={path}")
+    assert fv.strategy == os.path.basename(path)[: -len(".cfg")]
+    assert fv.global_batch_size == 64  # one global batch for all, so the metrics agree
+
+
+def test_flagfiles_exist_for_each_strategy_the_readme_uses():
+    names = {os.path.basename(p) for p in glob.glob(os.path.join(REPO, "flagfiles", "*.cfg"))}
+    assert {"one_device.cfg", "mirrored.cfg", "multi_worker.cfg"} <= names

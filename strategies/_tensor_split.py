@@ -2,6 +2,7 @@
 
 import keras
 import tensorflow as tf
+
 from tfscale.strategies._partition import _graph_config, _tensor_args
 from tfscale.strategies._split_models import SplitFunctional, SplitSequential
 from tfscale.strategies.layers import (
@@ -26,7 +27,6 @@ _MUST_BE_UNSET = (
     "embeddings_constraint",
     "lora_rank",
     "quantization_config",
-    "attention_axes",
     "sliding_window",
     "flash_attention",
     "use_gate",
@@ -105,6 +105,12 @@ def _check_supported(layer):
                 f"`{key}={config[key]!r}` has no split form. Expected it unset, or leave the "
                 "layer out of `tensor_layers`."
             )
+    axes = config.get("attention_axes")
+    if axes is not None and tuple(axes) != (1,):  # (1,) is what Keras sets for (batch, seq, features).
+        raise ModelSplitError(
+            f"Cannot tensor-split layer {layer.name!r}: `attention_axes={axes!r}`; expected None "
+            "(attention over the sequence axis of (batch, sequence, features) inputs)."
+        )
     shape = config.get("output_shape")
     if isinstance(layer, keras.layers.MultiHeadAttention) and not (shape is None or isinstance(shape, int)):
         raise ModelSplitError(

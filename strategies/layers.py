@@ -99,7 +99,7 @@ def _set_shards(shards, full, axis):
 
 
 def _gather(shards, axis):
-    return np.concatenate([np.asarray(s.numpy()) for s in shards], axis=axis)
+    return np.concatenate([s.value.numpy() for s in shards], axis=axis)
 
 
 def _sum(tensors):

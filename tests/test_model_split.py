@@ -1,0 +1,352 @@
+"""ModelSplitStrategy and the tensor-split layers, checked against the unsplit model on one device.
+
+Tolerance: float32 round-off. A split changes only the order of additions (row-split sums,
+per-head attention sums), so per-epoch losses must agree to a relative 1e-5 and final weights
+to an absolute 2e-5 after 3 epochs of SGD with momentum.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfscale import strategies
+from tfscale.strategies import (
+    BalanceError,
+    ColumnParallelDense,
+    HeadParallelMultiHeadAttention,
+    ModelSplitError,
+    ModelSplitStrategy,
+    RowParallelDense,
+    StrategyError,
+    VocabParallelEmbedding,
+)
+
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 2e-5
+EPOCHS, SEQ, VOCAB, WIDTH = 3, 6, 32, 16
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+SPLIT_TYPES = (ColumnParallelDense, RowParallelDense, VocabParallelEmbedding, HeadParallelMultiHeadAttention)
+
+
+@keras.saving.register_keras_serializable(package="tfscale_tests")
+class EncoderBlock(keras.layers.Layer):
+    """A post-norm Transformer encoder block, one Layer so a model of blocks is a chain."""
+
+    def __init__(self, heads=4, ff=32, **kwargs):
+        super().__init__(**kwargs)
+        self.heads, self.ff = heads, ff
+        self.attention = keras.layers.MultiHeadAttention(heads, WIDTH // heads)
+        self.up, self.down = keras.layers.Dense(ff, activation="relu"), keras.layers.Dense(WIDTH)
+        self.norm1, self.norm2 = keras.layers.LayerNormalization(), keras.layers.LayerNormalization()
+
+    def build(self, shape):
+        self.attention.build(shape, shape)
+        for layer in (self.norm1, self.up, self.norm2):
+            layer.build(shape)
+        self.down.build((*shape[:-1], self.ff))
+
+    def call(self, x):
+        x = self.norm1(x + self.attention(x, x))
+        return self.norm2(x + self.down(self.up(x)))
+
+    def get_config(self):
+        return {**super().get_config(), "heads": self.heads, "ff": self.ff}
+
+
+def mlp():
+    layers = [keras.layers.Dense(w, activation="relu") for w in (32, 32, 16)] + [keras.layers.Dense(8)]
+    return keras.Sequential([keras.Input((16,)), *layers], name="mlp")
+
+
+def encoder_chain():
+    """Transformer encoder as a chain of blocks (what layer split cuts)."""
+    return keras.Sequential(
+        [
+            keras.Input((SEQ,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, WIDTH),
+            EncoderBlock(name="block_0"),
+            EncoderBlock(name="block_1"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(4),
+        ],
+        name="encoder_chain",
+    )
+
+
+def encoder_graph():
+    """The same encoder written flat (what tensor split rewrites: Embedding, MHA, Dense)."""
+    ids = keras.Input((SEQ,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, WIDTH, name="embed")(ids)
+    for i in range(2):
+        attended = keras.layers.MultiHeadAttention(4, WIDTH // 4, name=f"attn_{i}")(x, x)
+        x = keras.layers.LayerNormalization(name=f"norm_{i}a")(x + attended)
+        up = keras.layers.Dense(32, activation="relu", name=f"up_{i}")(x)
+        x = keras.layers.LayerNormalization(name=f"norm_{i}b")(
+            x + keras.layers.Dense(WIDTH, name=f"down_{i}")(up)
+        )
+    out = keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling1D()(x))
+    return keras.Model(ids, out, name="encoder_graph")
+
+
+MODELS = {"mlp": mlp, "encoder_chain": encoder_chain, "encoder_graph": encoder_graph}
+
+
+def data(name):
+    rng = np.random.RandomState(0)
+    if name == "mlp":
+        return rng.randn(64, 16).astype("float32"), rng.randn(64, 8).astype("float32")
+    return rng.randint(0, VOCAB, (64, SEQ)).astype("int32"), rng.randint(0, 4, (64,)).astype("int32")
+
+
+def fresh(name):
+    keras.utils.set_random_seed(7)
+    return MODELS[name]()
+
+
+def train(model, name):
+    loss = "mse" if name == "mlp" else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=loss)
+    x, y = data(name)
+    return model.fit(x, y, batch_size=16, epochs=EPOCHS, shuffle=False, verbose=0).history["loss"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Per model: initial weights, per-epoch losses and final weights of the unsplit run."""
+    runs = {}
+
+    def run(name):
+        if name not in runs:
+            model = fresh(name)
+            initial = [w.copy() for w in model.get_weights()]
+            runs[name] = (initial, train(model, name), model.get_weights())
+        return runs[name]
+
+    return run
+
+
+def device_name(variable):
+    spec = tf.DeviceSpec.from_string(variable.value.device)
+    return f"/device:{spec.device_type}:{spec.device_index}"
+
+
+def variable_bytes(variables):
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("mlp", {"num_devices": 2}),
+        ("mlp", {"num_devices": 4}),
+        ("mlp", {"tensor_parallel": 2}),
+        ("mlp", {"tensor_parallel": 4}),
+        ("encoder_chain", {"num_devices": 2}),
+        ("encoder_chain", {"num_devices": 4}),
+        ("encoder_graph", {"tensor_parallel": 2}),
+        ("encoder_graph", {"tensor_parallel": 4}),
+    ],
+)
+def test_split_trains_like_the_unsplit_model(reference, name, options):
+    initial, ref_losses, ref_weights = reference(name)
+    model = fresh(name)
+    model.set_weights(initial)
+    strategy = strategies.get("model_split", **options)
+    split = strategy.split(model)
+    losses = train(split, name)
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    for got, want in zip(strategy.merge(split).get_weights(), ref_weights, strict=True):
+        np.testing.assert_allclose(got, want, atol=WEIGHT_ATOL)
+    # Each SGD momentum slot lives with its variable (Keras would put them all on CPU:0).
+    slots = split.optimizer.momentums
+    assert [device_name(s) for s in slots] == [device_name(v) for v in split.trainable_variables]
+    assert len({device_name(v) for v in split.trainable_variables}) == strategy.num_devices
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("name", ["mlp", "encoder_graph"])
+def test_tensor_split_holds_one_kth_of_the_split_layers_per_device(name, k):
+    model = fresh(name)
+    original = variable_bytes(
+        v
+        for layer in model.layers
+        if isinstance(layer, strategies._tensor_split.SUPPORTED)
+        for v in layer.weights
+    )
+    strategy = ModelSplitStrategy(tensor_parallel=k)
+    split = strategy.split(model)
+    per_device = {}
+    for layer in split.layers:
+        if isinstance(layer, SPLIT_TYPES):
+            for v in layer.weights:
+                per_device[device_name(v)] = per_device.get(device_name(v), 0) + variable_bytes([v])
+    assert sorted(per_device) == DEVICES[:k]
+    for got in per_device.values():
+        assert abs(got - original / k) <= 0.01 * original / k
+    report = {row["device"]: row for row in strategy.report(split)}
+    assert sum(row["param_bytes"] for row in report.values()) == 4 * model.count_params()
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("name", ["mlp", "encoder_chain"])
+def test_layer_split_places_each_part_on_its_device(name, k):
+    model = fresh(name)
+    strategy = ModelSplitStrategy(num_devices=k)
+    split = strategy.split(model)
+    per_device = {}
+    for layer in split.layers:
+        devices = {device_name(v) for v in layer.weights}
+        assert len(devices) <= 1, f"layer {layer.name} spans {devices}"
+        for v in layer.weights:
+            per_device[device_name(v)] = per_device.get(device_name(v), 0) + variable_bytes([v])
+    planned = {part["device"]: part["param_bytes"] for part in strategy.placement}
+    assert per_device == {d: b for d, b in planned.items() if b}
+    # The balancer's stated tolerance: no part above total / K + the largest layer.
+    largest = max(variable_bytes(layer.weights) for layer in model.layers)
+    assert max(per_device.values()) <= 4 * model.count_params() / k + largest
+    assert [row["param_bytes"] for row in strategy.report(split)] == [
+        p["param_bytes"] for p in strategy.placement
+    ]
+
+
+def test_layer_split_weights_file_loads_into_the_original_and_back(tmp_path):
+    model = fresh("mlp")
+    split = ModelSplitStrategy(num_devices=2).split(model)
+    train(split, "mlp")
+    split.save_weights(tmp_path / "split.weights.h5")
+    original = fresh("mlp")
+    original.load_weights(tmp_path / "split.weights.h5")
+    for got, want in zip(original.get_weights(), split.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    devices = [device_name(v) for v in split.weights]
+    original.save_weights(tmp_path / "original.weights.h5")
+    fresh_split = ModelSplitStrategy(num_devices=2).split(fresh("mlp"))
+    fresh_split.load_weights(tmp_path / "original.weights.h5")
+    assert [device_name(v) for v in fresh_split.weights] == devices
+    x, _ = data("mlp")
+    np.testing.assert_allclose(fresh_split.predict(x, verbose=0), original.predict(x, verbose=0), atol=1e-6)
+
+
+def test_tensor_split_weights_go_through_merge_into_the_original(tmp_path):
+    strategy = ModelSplitStrategy(tensor_parallel=2)
+    split = strategy.split(fresh("encoder_graph"))
+    train(split, "encoder_graph")
+    strategy.merge(split).save_weights(tmp_path / "merged.weights.h5")
+    original = fresh("encoder_graph")
+    original.load_weights(tmp_path / "merged.weights.h5")
+    x, y = data("encoder_graph")
+    np.testing.assert_allclose(original.predict(x, verbose=0), split.predict(x, verbose=0), atol=1e-5)
+    resplit = strategy.split(original)
+    resplit.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    split.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert resplit.evaluate(x, y, verbose=0) == pytest.approx(split.evaluate(x, y, verbose=0), rel=1e-6)
+
+
+def test_layers_alone_match_their_keras_counterparts():
+    rng = np.random.RandomState(1)
+    x = rng.randn(3, 5, 8).astype("float32")
+    ids = rng.randint(1, 12, (3, 5))
+    ids[0, :2] = 0
+    mha, dense, embed = (
+        keras.layers.MultiHeadAttention(4, 6),
+        keras.layers.Dense(8),
+        keras.layers.Embedding(12, 8),
+    )
+    dense(x), embed(ids), mha(x, x)
+    pairs = [
+        (ColumnParallelDense(8, DEVICES[:2]), dense, (x,), {}),
+        (RowParallelDense(8, DEVICES[:4]), dense, (x,), {}),
+        (VocabParallelEmbedding(12, 8, DEVICES[:4]), embed, (ids,), {}),
+        (HeadParallelMultiHeadAttention(4, 6, DEVICES[:2]), mha, (x, x), {}),
+        (HeadParallelMultiHeadAttention(4, 6, DEVICES[:4]), mha, (x, x), {"use_causal_mask": True}),
+    ]
+    for split, whole, args, kwargs in pairs:
+        split(*args, **kwargs)
+        split.set_full_weights(whole.get_weights())
+        np.testing.assert_allclose(split(*args, **kwargs), whole(*args, **kwargs), atol=1e-6)
+        for got, want in zip(split.full_weights(), whole.get_weights(), strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_megatron_pair_passes_shards_without_gathering():
+    up = ColumnParallelDense(16, DEVICES[:2], activation="relu", gather_output=False)
+    down = RowParallelDense(8, DEVICES[:2], input_is_parallel=True)
+    shards = up(np.ones((2, 4), "float32"))
+    assert [device_name_of_tensor(s) for s in shards] == DEVICES[:2]
+    assert down(shards).shape == (2, 8)
+
+
+def device_name_of_tensor(tensor):
+    spec = tf.DeviceSpec.from_string(tensor.device)
+    return f"/device:{spec.device_type}:{spec.device_index}"
+
+
+def test_get_returns_the_strategy_with_its_devices():
+    strategy = strategies.get("model_split", devices=["/cpu:1", "/device:CPU:3"], balance="uniform")
+    assert isinstance(strategy, ModelSplitStrategy)
+    assert strategy.devices == ["/device:CPU:1", "/device:CPU:3"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"num_devices": 8}, r"num_devices=8, more than the 4 logical CPU"),
+        ({"devices": ["/device:CPU:0", "/device:CPU:9"]}, r"`devices`.*CPU:9"),
+        ({"devices": ["/cpu:0", "/cpu:0"]}, r"Expected distinct devices"),
+        ({"num_devices": 2, "tensor_parallel": 3}, r"tensor_parallel=3 with 2 device"),
+        ({"num_devices": 2, "balance": "flops"}, r"balance='flops'"),
+        ({"num_devices": 2, "tensor_layers": ["x"]}, r"`tensor_layers=\['x'\]` needs tensor split"),
+    ],
+)
+def test_bad_options_are_refused(options, message):
+    with pytest.raises(StrategyError, match=message):
+        strategies.get("model_split", **options)
+
+
+def odd_mlp():
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(30, name="odd"), keras.layers.Dense(8)])
+
+
+@pytest.mark.parametrize(
+    ("build", "options", "error", "message"),
+    [
+        (odd_mlp, {"tensor_parallel": 4}, ModelSplitError, r"layer 'odd'.*is 30, not divisible by 4"),
+        (
+            encoder_graph,
+            {"tensor_parallel": 2, "tensor_layers": ["norm_0a"]},
+            ModelSplitError,
+            r"layer 'norm_0a': its type LayerNormalization has no split form",
+        ),
+        (
+            encoder_graph,
+            {"tensor_parallel": 2, "tensor_layers": ["nope"]},
+            ModelSplitError,
+            r"no layer 'nope'",
+        ),
+        (encoder_graph, {"num_devices": 2}, BalanceError, r"into a chain at layer"),
+        (mlp, {"num_devices": 4, "balance": [1, 1, 1]}, BalanceError, r"Expected 4 positive layer counts"),
+    ],
+)
+def test_models_that_cannot_be_split_are_refused_naming_the_layer(build, options, error, message):
+    with pytest.raises(error, match=message):
+        ModelSplitStrategy(**options).split(build())
+
+
+def test_too_few_layers_for_the_devices_is_refused():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    with pytest.raises(BalanceError, match=r"too few layers to make 4 parts \(layers: 2, parts: 4\)"):
+        ModelSplitStrategy(num_devices=4).split(model)
+
+
+def test_split_layer_options_without_split_form_are_refused():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, kernel_regularizer="l2", name="reg")])
+    with pytest.raises(ModelSplitError, match=r"layer 'reg' \(Dense\): option `kernel_regularizer="):
+        ModelSplitStrategy(tensor_parallel=2).split(model)
+
+
+def test_unbuilt_model_and_foreign_merge_are_refused():
+    strategy = ModelSplitStrategy(tensor_parallel=2)
+    with pytest.raises(ModelSplitError, match=r"'lazy': it is not built"):
+        strategy.split(keras.Sequential([keras.layers.Dense(4)], name="lazy"))
+    with pytest.raises(ModelSplitError, match=r"`split_model`.*'mlp' was not returned"):
+        strategy.merge(mlp())

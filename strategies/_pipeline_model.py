@@ -5,6 +5,7 @@ import math
 
 import keras
 import tensorflow as tf
+
 from tfscale.strategies import _pipeline_keras, _pipeline_step
 from tfscale.strategies._errors import StrategyError
 
@@ -202,6 +203,16 @@ class PipelinedModel(keras.Model):
                 ]
             losses.append(value)
         return losses
+
+    def trace_step(self, x, y, sample_weight=None):
+        """Profiles one real training step; returns its measured `PipelineTrace`.
+
+        Two `train_on_batch` steps run (the first traces the graph), so the weights
+        change. `tfscale.strategies._timeline.plot(trace, path)` draws it.
+        """
+        from tfscale.strategies import _timeline
+
+        return _timeline.trace_train_step(self, x, y, sample_weight=sample_weight)
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Writes the unsplit model's weights file (loadable by the user's original model)."""

@@ -16,6 +16,7 @@ and variables, the same chain rule as one tape over the whole model.
 """
 
 import tensorflow as tf
+
 from tfscale.strategies import _schedule
 
 __all__ = ["Stage", "forward_only", "run_batch", "scope_name"]

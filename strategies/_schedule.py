@@ -73,11 +73,13 @@ def control_dependencies(stage_order):
     """The fewest same-stage waits that make the executor keep this stage's order.
 
     A forward waits for the latest backward before it in the order (this is what bounds
-    the live activations: in 1F1B, F(i + S - s) waits for B(i)); a backward waits for the
-    previous backward (gradients are accumulated in micro-batch order, which also makes the
-    sums bit-identical across schedules), and the first backward waits for the latest
-    forward before it (GPipe's flush). No wait ever crosses stages: data is the only link
-    between devices.
+    the live activations: in 1F1B, F(i + S - s) waits for B(i)) and for the previous
+    forward (a device runs its forwards one after another, as a GPU stream would; logical
+    CPU devices share one thread pool and would otherwise run a stage's micro-batches side
+    by side, stealing the other stages' cores). A backward waits for the previous backward
+    (gradients are summed in micro-batch order, so the sums are bit-identical across
+    schedules); the first backward waits for the latest forward before it (GPipe's flush).
+    No wait ever crosses stages: data is the only link between devices.
 
     Args:
         stage_order: one stage's list of `Step`, as from `order`.
@@ -89,8 +91,7 @@ def control_dependencies(stage_order):
     for step in stage_order:
         waits = []
         if step.kind == "F":
-            if last_b is not None:
-                waits.append(last_b)
+            waits += [w for w in (last_f, last_b) if w is not None]
             last_f = step
         else:
             if last_b is not None:
@@ -134,17 +135,29 @@ def live_activations(intervals, num_stages):
     return peaks
 
 
-def bubble_fraction(intervals, num_stages):
-    """Idle share of the S x makespan rectangle: 1 - busy time / (S * makespan)."""
-    if not intervals:
+def _union_length(spans):
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def bubble_fraction(spans, num_stages):
+    """Idle share of the S x makespan rectangle: 1 - busy time / (S * makespan).
+
+    Args:
+        spans: (stage, start, end) of every piece of work (e.g. every op) of the step; a
+            stage's busy time is the union of its spans, so concurrent ops count once.
+        num_stages: S.
+    """
+    spans = list(spans)
+    if not spans:
         return 0.0
-    start = min(a for a, _ in intervals.values())
-    end = max(b for _, b in intervals.values())
-    busy = [0.0] * num_stages
-    for step, (a, b) in intervals.items():
-        busy[step.stage] += b - a
-    span = end - start
-    return 1.0 - sum(busy) / (num_stages * span) if span > 0 else 0.0
+    span = max(e for _, _, e in spans) - min(a for _, a, _ in spans)
+    busy = sum(_union_length([(a, e) for s, a, e in spans if s == stage]) for stage in range(num_stages))
+    return 1.0 - busy / (num_stages * span) if span > 0 else 0.0
 
 
 def theoretical_bubble(num_stages, num_microbatches):

@@ -18,6 +18,7 @@ Example:
 import logging
 
 import tensorflow as tf
+
 from tfscale.strategies import _partition, _pipeline_keras, _schedule
 from tfscale.strategies._devices import split_cpu
 from tfscale.strategies._errors import StrategyError
@@ -36,7 +37,10 @@ def _positive_int(name, value):
 
 
 def _device_key(name):
-    spec = tf.DeviceSpec.from_string(name)
+    try:
+        spec = tf.DeviceSpec.from_string(name)
+    except (ValueError, TypeError):
+        return None
     return (spec.device_type or "").upper(), spec.device_index or 0
 
 
@@ -99,7 +103,13 @@ class PipelineStrategy:
         devices=None,
         balance="parameters",
         recompute=False,
+        **unknown,
     ):
+        if unknown:
+            raise StrategyError(
+                f"Unknown option(s) {sorted(unknown)} for strategy 'pipeline'. Expected options: "
+                "['num_stages', 'num_microbatches', 'schedule', 'devices', 'balance', 'recompute']."
+            )
         self.num_stages = _positive_int("num_stages", num_stages)
         self.num_microbatches = _positive_int("num_microbatches", num_microbatches)
         if schedule not in _schedule.SCHEDULES:

@@ -1,0 +1,258 @@
+"""PipelineStrategy: same training as the unsplit model, bounded activations, Keras API, bad input.
+
+Equivalence tolerance: losses and weights agree with the unsplit model trained on one device
+to rtol=1e-5, atol=1e-6 (float32 round-off: a micro-batched gradient sums the same terms
+in another order). Models and data are tiny, because each (S, M, schedule) is a graph of
+its own to trace.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfscale.strategies
+from tfscale.strategies import BalanceError, PipelineStrategy, StrategyError, _schedule, _timeline
+from tfscale.strategies._pipeline_keras import variable_device
+
+RTOL, ATOL = 1e-5, 1e-6
+EPOCHS, BATCH, SAMPLES = 3, 16, 32
+
+
+def _mlp():
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(12, activation="relu"),
+            keras.layers.Dense(10, activation="tanh"),
+            keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
+            keras.layers.Dense(3),
+        ],
+        name="mlp",
+    )
+
+
+def _cnn():
+    inputs = keras.Input((6, 6, 2))
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    x = keras.layers.Conv2D(4, 3, activation="relu")(x)
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(8, activation="tanh")(x)
+    return keras.Model(inputs, keras.layers.Dense(3)(x), name="cnn")
+
+
+_BUILDERS = {"mlp": (_mlp, (6,)), "cnn": (_cnn, (6, 6, 2))}
+
+
+def _model(kind, seed=0):
+    keras.utils.set_random_seed(seed)
+    return _BUILDERS[kind][0]()
+
+
+def _data(kind, samples=SAMPLES):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(samples, *_BUILDERS[kind][1])).astype("float32")
+    return x, rng.normal(size=(samples, 3)).astype("float32")
+
+
+def _compile(model, **kwargs):
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"], **kwargs)
+    return model
+
+
+def _fit(model, x, y, **kwargs):
+    return model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, **kwargs).history
+
+
+_REFERENCE = {}
+
+
+def _reference(kind):
+    """The unsplit model trained on one device: history and final weights (once per kind)."""
+    if kind not in _REFERENCE:
+        x, y = _data(kind)
+        with tf.device("/device:CPU:0"):
+            model = _compile(_model(kind))
+            history = _fit(model, x, y)
+        _REFERENCE[kind] = (history, model.get_weights())
+    return _REFERENCE[kind]
+
+
+def _wrap(kind, **options):
+    options.setdefault("balance", "uniform")
+    return PipelineStrategy(**options).wrap(_model(kind))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_microbatches", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_stages", [2, 4])
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_training_equals_unsplit_model(kind, num_stages, num_microbatches, schedule):
+    history, weights = _reference(kind)
+    pipelined = _compile(
+        _wrap(kind, num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
+    )
+    got = _fit(pipelined, *_data(kind))
+    np.testing.assert_allclose(got["loss"], history["loss"], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got["mae"], history["mae"], rtol=RTOL, atol=ATOL)
+    for a, b in zip(pipelined.get_weights(), weights):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_recompute_and_sample_weights_train_like_unsplit_model():
+    x, y = _data("mlp")
+    sample_weight = np.linspace(0.2, 2.0, SAMPLES).astype("float32")
+    loss = keras.losses.MeanSquaredError(reduction="sum")
+    with tf.device("/device:CPU:0"):
+        reference = _model("mlp")
+        reference.compile(optimizer=keras.optimizers.SGD(0.002), loss=loss)
+        expected = _fit(reference, x, y, sample_weight=sample_weight)["loss"]
+    pipelined = _wrap("mlp", num_stages=2, num_microbatches=4, recompute=True)
+    pipelined.compile(optimizer=keras.optimizers.SGD(0.002), loss=loss)
+    got = _fit(pipelined, x, y, sample_weight=sample_weight)["loss"]
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+    for a, b in zip(pipelined.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_variables_and_optimizer_slots_live_on_their_stage_device():
+    pipelined = _compile(_wrap("mlp", num_stages=4, num_microbatches=2))
+    pipelined.fit(*_data("mlp"), batch_size=BATCH, epochs=1, verbose=0)
+    momenta = {v.path.split("/", 1)[1]: v for v in pipelined.optimizer.variables}
+    for stage, device in zip(pipelined.stages, tfscale.strategies.split_cpu(4)):
+        assert stage.device == device
+        for variable in stage.trainable_variables:
+            assert variable_device(variable).endswith(device[1:])
+            slot = momenta[variable.path.replace("/", "_") + "_momentum"]
+            assert variable_device(slot).endswith(device[1:])
+
+
+def test_partition_reports_the_chosen_split():
+    by_params = PipelineStrategy(num_stages=2, num_microbatches=2).wrap(_model("mlp"))
+    assert [len(p["layers"]) for p in by_params.partition] == [2, 2]
+    assert sum(p["params"] for p in by_params.partition) == _model("mlp").count_params()
+    explicit = PipelineStrategy(num_stages=2, num_microbatches=2, balance=[1, 3]).wrap(_model("mlp"))
+    assert [len(p["layers"]) for p in explicit.partition] == [1, 3]
+    timed = PipelineStrategy(num_stages=2, num_microbatches=2, balance="time").wrap(
+        _model("cnn"), sample_input=_data("cnn")[0][:8]
+    )
+    assert sum(len(p["layers"]) for p in timed.partition) == 6
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_live_activations_bounded_by_schedule_in_a_measured_run(schedule, tmp_path):
+    num_stages, num_microbatches = 4, 8
+    pipelined = _compile(
+        _wrap("mlp", num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
+    )
+    x, y = _data("mlp")
+    trace = pipelined.trace_step(x, y)
+    assert set(trace.intervals) == {s for o in _schedule.order(schedule, 4, 8) for s in o}
+    if schedule == "gpipe":
+        assert trace.live_activations == [num_microbatches] * num_stages
+    else:
+        # Stage s of 1F1B keeps at most S - s micro-batches (<= S) alive, M = 8 without it.
+        assert all(live <= num_stages - s for s, live in enumerate(trace.live_activations))
+    assert 0.0 <= trace.bubble < 1.0
+    png = _timeline.plot(trace, tmp_path / "timeline.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_schedules_order_and_bound_activations():
+    for s, order in enumerate(_schedule.order("1f1b", 4, 8)):
+        alive = peak = 0
+        for step in order:
+            alive += 1 if step.kind == "F" else -1
+            peak = max(peak, alive)
+        assert peak == 4 - s
+    gpipe = _schedule.order("gpipe", 2, 3)[1]
+    assert [(st.kind, st.microbatch) for st in gpipe] == [
+        ("F", 0),
+        ("F", 1),
+        ("F", 2),
+        ("B", 0),
+        ("B", 1),
+        ("B", 2),
+    ]
+    assert _schedule.theoretical_bubble(2, 8) == pytest.approx(1 / 9)
+
+
+def test_evaluate_predict_and_weights_files_match_unsplit_model(tmp_path):
+    x, y = _data("cnn")
+    pipelined = _compile(_wrap("cnn", num_stages=2, num_microbatches=4))
+    pipelined.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    path = str(tmp_path / "pipelined.weights.h5")
+    pipelined.save_weights(path)
+    unsplit = _compile(_model("cnn", seed=7))
+    unsplit.optimizer.build(unsplit.trainable_variables)
+    unsplit.load_weights(path)
+    for a, b in zip(unsplit.get_weights(), pipelined.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(unsplit.optimizer.variables, pipelined.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_allclose(
+        pipelined.predict(x, verbose=0), unsplit.predict(x, verbose=0), rtol=RTOL, atol=ATOL
+    )
+    np.testing.assert_allclose(
+        pipelined.evaluate(x, y, verbose=0), unsplit.evaluate(x, y, verbose=0), rtol=RTOL
+    )
+    other = _wrap("cnn", num_stages=2, num_microbatches=2)
+    other.load_weights(path)
+    np.testing.assert_array_equal(other.get_weights()[0], pipelined.get_weights()[0])
+
+
+class _StopAfterEpoch(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_like_an_uninterrupted_run(tmp_path):
+    x, y = _data("mlp")
+    expected, weights = _reference("mlp")
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    first = _compile(_wrap("mlp", num_stages=2, num_microbatches=2))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(first, x, y, callbacks=[backup, _StopAfterEpoch()])
+    second = _compile(_wrap("mlp", num_stages=2, num_microbatches=2, schedule="gpipe"))
+    history = _fit(second, x, y, callbacks=[backup])
+    np.testing.assert_allclose(history["loss"], expected["loss"][1:], rtol=RTOL, atol=ATOL)
+    for a, b in zip(second.get_weights(), weights):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_get_routes_to_pipeline_strategy():
+    strategy = tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=2, schedule="gpipe")
+    assert isinstance(strategy, PipelineStrategy)
+    assert (strategy.num_stages, strategy.num_microbatches, strategy.schedule) == (2, 2, "gpipe")
+
+
+def _branching_model():
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(4, name="first")(inputs)
+    out = keras.layers.Add(name="skip")([h, keras.layers.Dense(4, name="second")(h)])
+    return keras.Model(inputs, out)
+
+
+def test_bad_input_raises_clear_value_errors():
+    x, y = _data("mlp", samples=24)
+    pipelined = _compile(_wrap("mlp", num_stages=2, num_microbatches=4))
+    with pytest.raises(StrategyError, match=r"`num_microbatches`.*num_microbatches=4 for a batch of 6"):
+        pipelined.fit(x, y, batch_size=6, verbose=0)
+    with pytest.raises(BalanceError, match="too few layers to make 5 parts"):
+        PipelineStrategy(num_stages=5, devices=["/cpu:0"] * 5).wrap(_model("mlp"))
+    with pytest.raises(StrategyError, match=r"`num_stages`.*num_stages=6"):
+        PipelineStrategy(num_stages=6)
+    with pytest.raises(StrategyError, match=r"`devices`.*list of 2 device names"):
+        PipelineStrategy(num_stages=2, devices=["/cpu:0"])
+    with pytest.raises(StrategyError, match=r"`devices`.*'/cpu:9', which does not exist"):
+        PipelineStrategy(num_stages=2, devices=["/cpu:0", "/cpu:9"])
+    with pytest.raises(BalanceError, match="'skip'"):
+        PipelineStrategy(num_stages=2).wrap(_branching_model())
+    with pytest.raises(StrategyError, match=r"`schedule`.*'zigzag'"):
+        PipelineStrategy(schedule="zigzag")
+    with pytest.raises(StrategyError, match=r"Unknown option\(s\) \['stages'\]"):
+        tfscale.strategies.get("pipeline", stages=2)
+    with pytest.raises(StrategyError, match="`jit_compile`"):
+        _wrap("mlp", num_stages=2).compile(optimizer="sgd", loss="mse", jit_compile=True)

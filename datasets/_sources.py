@@ -9,6 +9,7 @@ import os
 
 import tensorflow as tf
 import tensorflow_datasets as tfds
+
 from tfscale.datasets import digits, synthetic
 from tfscale.datasets._errors import DatasetError
 
@@ -36,6 +37,7 @@ class Source:
     size_bytes: int
     num_classes: int
     feature_key: str
+    in_memory: bool  # already held in memory: caching would only copy it
     read: object  # read(shuffle_files, seed, input_context) -> unbatched tf.data.Dataset of dicts
 
 
@@ -104,6 +106,7 @@ def _tfds_source(name, builder, split):
         size_bytes=int(split_info.num_bytes),
         num_classes=getattr(label, "num_classes", 0) or 0,
         feature_key=supervised[0] or "",
+        in_memory=False,
         read=read,
     )
 
@@ -124,5 +127,6 @@ def _synthetic_source(name, split):
         size_bytes=sum(v.nbytes for v in data.values()),
         num_classes=spec.num_classes,
         feature_key="image" if spec.kind == "images" else "tokens",
+        in_memory=True,
         read=read,
     )

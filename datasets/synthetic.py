@@ -12,6 +12,7 @@ generated in memory once, with an `id` feature like the bundled dataset.
 import dataclasses
 
 import numpy as np
+
 from tfscale.datasets._errors import DatasetError
 
 __all__ = ["DEFAULT_EXAMPLES", "SyntheticSpec", "generate", "parse"]

@@ -13,7 +13,17 @@ import time
 
 import numpy as np
 
-__all__ = ["BalanceError", "balance", "chain_layers", "describe", "layer_bytes", "layer_params"]
+__all__ = [
+    "BalanceError",
+    "balance",
+    "chain_layers",
+    "describe",
+    "graph_config",
+    "layer_bytes",
+    "layer_params",
+    "partition",
+    "tensor_producers",
+]
 
 _METHODS = ("parameters", "uniform", "time")
 # A layer without parameters (activation, dropout, reshape) weighs this fraction of a parameter,
@@ -45,7 +55,7 @@ def chain_layers(model):
     """
     import keras
 
-    config = None if isinstance(model, keras.Sequential) else _graph_config(model)
+    config = None if isinstance(model, keras.Sequential) else graph_config(model)
     if isinstance(model, keras.Sequential):
         layers = list(model.layers)
     elif config is not None:
@@ -61,7 +71,7 @@ def chain_layers(model):
     return layers
 
 
-def _graph_config(model):
+def graph_config(model):
     """The functional graph's config, or None for a subclassed model (which has no graph)."""
     try:
         config = model.get_config()
@@ -79,7 +89,7 @@ def _history(arg):
     return None
 
 
-def _tensor_args(node):
+def tensor_producers(node):
     """The producing layer names of every tensor argument of a serialized node."""
     found = []
 
@@ -111,7 +121,7 @@ def _functional_chain(model, config):
     consumers = {}
     for entry in config["layers"]:
         for node in entry["inbound_nodes"]:
-            for producer in _tensor_args(node):
+            for producer in tensor_producers(node):
                 consumers.setdefault(producer, []).append(entry["name"])
     previous, layers = None, []
     for entry in config["layers"]:
@@ -140,7 +150,7 @@ def _check_link(model, entry, previous, consumers):
             f"Cannot cut model {model.name!r} into a chain at layer {name!r}: it is called "
             f"{len(nodes)} times (shared layer). Use a separate layer per call."
         )
-    producers = _tensor_args(nodes[0])
+    producers = tensor_producers(nodes[0])
     if producers != [previous]:
         raise BalanceError(
             f"Cannot cut model {model.name!r} into a chain at layer {name!r}: it takes "

@@ -1,43 +1,13 @@
 """The Keras model classes a split returns: ordinary Sequential / functional models, plus
 device placement of each layer's call and of the optimizer's slot variables."""
 
-import functools
+import itertools
 
 import keras
-import tensorflow as tf
 
-__all__ = ["SplitFunctional", "SplitSequential", "device_of", "place_slots_with_variables"]
+from tfscale.strategies._placement import on_device, place_slots_with_variables
 
-
-def device_of(variable):
-    """The short device name (`/device:CPU:1`) a Keras or tf variable lives on."""
-    value = getattr(variable, "value", variable)
-    spec = tf.DeviceSpec.from_string(value.device)
-    if spec.job not in (None, "localhost"):
-        return value.device
-    return f"/device:{spec.device_type}:{spec.device_index}"
-
-
-def place_slots_with_variables(optimizer):
-    """Makes the optimizer create each slot variable on its model variable's device.
-
-    Keras 3 (3.0-3.15, TF backend) creates slots under `colocate_vars_with`, which eager
-    mode ignores: every slot (Adam's momentum and velocity, SGD's momentum) would land on the
-    default device, doubling or tripling that device's memory. `add_variable_from_reference`
-    is the optimizer's public hook for slots, so it is wrapped on this instance only.
-    """
-    original = optimizer.add_variable_from_reference
-    if getattr(original, "_tfscale_placed", False):
-        return
-
-    @functools.wraps(original)
-    def placed(reference_variable, *args, **kwargs):
-        with tf.device(device_of(reference_variable)):
-            return original(reference_variable, *args, **kwargs)
-
-    placed._tfscale_placed = True
-    # The optimizer tracks attributes it is given; a bound hook is not state, so bypass that.
-    object.__setattr__(optimizer, "add_variable_from_reference", placed)
+__all__ = ["SplitFunctional", "SplitSequential"]
 
 
 class _PlacedSlots:
@@ -63,11 +33,21 @@ class SplitSequential(_PlacedSlots, keras.Sequential):
         if self._placement is None:
             return super().call(inputs, training=training, mask=mask)
         x = inputs
-        # `training` and masks reach each layer through Keras' call context.
-        for layer, device in zip(self.layers, self._placement):
-            with tf.device(device):
-                x = layer(x)
+        # One hop per group of consecutive layers on a device; `training` and masks reach
+        # each layer through Keras' call context.
+        steps = zip(self.layers, self._placement)
+        for device, group in itertools.groupby(steps, key=lambda step: step[1]):
+            x = on_device(device, _chain([layer for layer, _ in group]), x)
         return x
+
+
+def _chain(layers):
+    def run(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    return run
 
 
 class SplitFunctional(_PlacedSlots, keras.Model):

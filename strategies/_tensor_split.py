@@ -3,7 +3,7 @@
 import keras
 import tensorflow as tf
 
-from tfscale.strategies._partition import _graph_config, _tensor_args
+from tfscale.strategies._partition import graph_config, tensor_producers
 from tfscale.strategies._split_models import SplitFunctional, SplitSequential
 from tfscale.strategies.layers import (
     ColumnParallelDense,
@@ -135,10 +135,10 @@ def _links(model):
     if isinstance(model, keras.Sequential):
         names = [layer.name for layer in model.layers]
         return list(zip(names, names[1:]))
-    config = _graph_config(model)
+    config = graph_config(model)
     inputs, consumers = {}, {}
     for entry in config["layers"]:
-        producers = [p for node in entry["inbound_nodes"] for p in _tensor_args(node)]
+        producers = [p for node in entry["inbound_nodes"] for p in tensor_producers(node)]
         inputs[entry["name"]] = producers
         for p in producers:
             consumers.setdefault(p, []).append(entry["name"])

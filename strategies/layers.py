@@ -19,6 +19,8 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from tfscale.strategies._placement import on_device
+
 __all__ = [
     "ColumnParallelDense",
     "HeadParallelMultiHeadAttention",
@@ -190,14 +192,15 @@ class ColumnParallelDense(_DenseLike):
             self.bias = self._add_shards("bias", (self.units,), 0, self.bias_initializer)
 
     def call(self, inputs):
-        shards = []
-        for i, device in enumerate(self.devices):
-            with tf.device(device):
-                y = ops.matmul(inputs, self.kernel[i])
-                if self.use_bias:
-                    y = ops.add(y, self.bias[i])
-                shards.append(self.activation(y))
+        shards = [
+            on_device(device, functools.partial(self._shard, i), inputs)
+            for i, device in enumerate(self.devices)
+        ]
         return ops.concatenate(shards, axis=-1) if self.gather_output else shards
+
+    def _shard(self, i, x):
+        y = ops.matmul(x, self.kernel[i])
+        return self.activation(ops.add(y, self.bias[i]) if self.use_bias else y)
 
     def compute_output_shape(self, input_shape):
         if self.gather_output:
@@ -244,14 +247,18 @@ class RowParallelDense(_DenseLike):
 
     def call(self, inputs):
         pieces = inputs if self.input_is_parallel else ops.split(inputs, self.num_shards, axis=-1)
-        partial = []
-        for device, piece, kernel in zip(self.devices, pieces, self.kernel):
-            with tf.device(device):
-                partial.append(ops.matmul(piece, kernel))
-        y = _sum(partial)
+        y = _sum(
+            [
+                on_device(d, functools.partial(self._shard, i), p)
+                for i, (d, p) in enumerate(zip(self.devices, pieces))
+            ]
+        )
         if self.use_bias:
             y = ops.add(y, ops.concatenate(self.bias, axis=0))
         return self.activation(y)
+
+    def _shard(self, i, x):
+        return ops.matmul(x, self.kernel[i])
 
     def compute_output_shape(self, input_shape):
         if self.input_is_parallel:
@@ -293,14 +300,15 @@ class VocabParallelEmbedding(_Sharded):
 
     def call(self, inputs):
         ids = ops.cast(inputs, "int32")
-        found = []
-        for i, (device, table) in enumerate(zip(self.devices, self.embeddings)):
-            with tf.device(device):
-                local = ids - i * self._rows
-                inside = ops.logical_and(local >= 0, local < self._rows)
-                rows = ops.take(table, ops.where(inside, local, 0), axis=0)
-                found.append(rows * ops.cast(ops.expand_dims(inside, -1), rows.dtype))
-        return _sum(found)
+        return _sum(
+            [on_device(d, functools.partial(self._shard, i), ids) for i, d in enumerate(self.devices)]
+        )
+
+    def _shard(self, i, ids):
+        local = ids - i * self._rows
+        inside = ops.logical_and(local >= 0, local < self._rows)
+        rows = ops.take(self.embeddings[i], ops.where(inside, local, 0), axis=0)
+        return rows * ops.cast(ops.expand_dims(inside, -1), rows.dtype)
 
     def compute_mask(self, inputs, mask=None):
         return ops.not_equal(inputs, 0) if self.mask_zero else None
@@ -408,19 +416,17 @@ class HeadParallelMultiHeadAttention(_Sharded):
         key_given = key is not None
         key = value if key is None else key
         mask = self._attention_mask(query, value, key if key_given else None, attention_mask, use_causal_mask)
-        partial = []
-        for i, device in enumerate(self.devices):
-            with tf.device(device):
-                context = self._attend(
-                    self._project("query", query, i),
-                    self._project("key", key, i),
-                    self._project("value", value, i),
-                    mask,
-                    training,
-                )
-                partial.append(ops.einsum("abcd,cde->abe", context, self.output_kernel[i]))
-        y = _sum(partial)
+        inputs = (query, key, value) if mask is None else (query, key, value, mask)
+        shard = functools.partial(self._shard, training)
+        y = _sum([on_device(d, functools.partial(shard, i), *inputs) for i, d in enumerate(self.devices)])
         return ops.add(y, ops.concatenate(self.output_bias, axis=0)) if self.use_bias else y
+
+    def _shard(self, training, i, *tensors):
+        query, key, value, mask = (*tensors, None) if len(tensors) == 3 else tensors
+        q, k, v = (
+            self._project(name, x, i) for name, x in zip(("query", "key", "value"), (query, key, value))
+        )
+        return ops.einsum("abcd,cde->abe", self._attend(q, k, v, mask, training), self.output_kernel[i])
 
     def _attend(self, q, k, v, mask, training):
         scale = 1.0 / float(np.sqrt(self.key_dim))

@@ -4,10 +4,12 @@ import weakref
 
 import keras
 import tensorflow as tf
+
 from tfscale.strategies import _partition
 from tfscale.strategies._devices import split_cpu
 from tfscale.strategies._errors import StrategyError
-from tfscale.strategies._split_models import SplitSequential, device_of
+from tfscale.strategies._placement import device_of
+from tfscale.strategies._split_models import SplitSequential
 from tfscale.strategies._tensor_split import clone_layer, copy_weights, model_input, tensor_split
 from tfscale.strategies.layers import ModelSplitError
 

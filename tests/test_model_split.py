@@ -350,3 +350,21 @@ def test_unbuilt_model_and_foreign_merge_are_refused():
         strategy.split(keras.Sequential([keras.layers.Dense(4)], name="lazy"))
     with pytest.raises(ModelSplitError, match=r"`split_model`.*'mlp' was not returned"):
         strategy.merge(mlp())
+
+
+@pytest.mark.parametrize(("options", "per_device"), [({"num_devices": 4}, 1), ({"tensor_parallel": 4}, 4)])
+def test_matmuls_are_placed_on_every_device(options, per_device):
+    """The traced graph asks each device to multiply by its own weights (forward and backward)."""
+    split = ModelSplitStrategy(**options).split(fresh("mlp"))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(split(x))
+        return tape.gradient(loss, split.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec((None, 16), tf.float32)).graph
+    placed = [device_name_of_tensor(op) for op in graph.get_operations() if op.type == "MatMul"]
+    counts = {device: placed.count(device) for device in set(placed)}
+    # Per layer (and per shard): 1 forward and 2 backward products, none left unplaced.
+    assert counts == {device: 3 * per_device for device in DEVICES}

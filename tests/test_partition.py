@@ -5,6 +5,7 @@ import itertools
 import keras
 import numpy as np
 import pytest
+
 from tfscale.strategies import BalanceError
 from tfscale.strategies._partition import balance, chain_layers, describe, partition
 

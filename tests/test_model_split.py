@@ -368,3 +368,24 @@ def test_matmuls_are_placed_on_every_device(options, per_device):
     counts = {device: placed.count(device) for device in set(placed)}
     # Per layer (and per shard): 1 forward and 2 backward products, none left unplaced.
     assert counts == {device: 3 * per_device for device in DEVICES}
+
+
+def test_functional_chain_with_dropout_splits_by_time_and_keeps_adam_slots_with_weights(tmp_path):
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dropout(0.5)(keras.layers.Dense(8, name="a")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="b")(keras.layers.ReLU()(hidden)))
+    x = np.random.RandomState(2).randn(4, 8).astype("float32")
+    strategy = ModelSplitStrategy(num_devices=2, balance="time", sample_input=x)
+    split = strategy.split(model)
+    assert sum(len(part["layers"]) for part in strategy.placement) == 4
+    np.testing.assert_allclose(split(x, training=False), model(x), atol=1e-6)
+    assert not np.allclose(split(x, training=True), model(x))  # `training` reaches Dropout.
+    split.compile(optimizer="adam", loss="mse")
+    split.optimizer.build(split.trainable_variables)
+    slots = [v for v in split.optimizer.variables if v.name not in ("iteration", "learning_rate")]
+    want = sorted(device_name(v) for v in split.trainable_variables for _ in ("momentum", "velocity"))
+    assert sorted(device_name(v) for v in slots) == want
+    split.save_weights(tmp_path / "chain.weights.h5")
+    copy = keras.models.clone_model(model)
+    copy.load_weights(tmp_path / "chain.weights.h5")
+    np.testing.assert_allclose(copy(x), model(x), atol=1e-6)

@@ -42,8 +42,9 @@ def _counter_class():
     class StepCounter(keras.callbacks.Callback):
         """Counts the train steps `fit` actually ran in this process."""
 
-        def __init__(self):
+        def __init__(self, print_steps=False):
             super().__init__()
+            self.print_steps = print_steps
             self.steps = 0
             self.first_step_time = None
 
@@ -55,13 +56,16 @@ def _counter_class():
 
             self.first_step_time = self.first_step_time or time.monotonic()
             self.steps += batch - self._begin + 1
+            if self.print_steps:
+                # Flushed per step: a test reads the last step a killed process finished.
+                print(f"tfscale-test global_step {int(self.model.optimizer.iterations.numpy())}", flush=True)
 
     return StepCounter
 
 
-def step_counter():
-    """A fresh callback that counts the steps `fit` ran (`.steps`)."""
-    return _counter_class()()
+def step_counter(print_steps=False):
+    """A fresh callback that counts the steps `fit` ran (`.steps`), optionally printing each."""
+    return _counter_class()(print_steps)
 
 
 def _strategy(name):
@@ -103,6 +107,7 @@ def train(
     units=16,
     max_to_keep=None,
     delete_checkpoint=True,
+    print_steps=False,
 ):
     """Trains once (resuming from `backup_dir` if it holds a backup); returns a result dict."""
     import time
@@ -122,13 +127,14 @@ def train(
         backup = tfscale.callbacks.BackupAndRestore(
             backup_dir, save_freq=save_freq, max_to_keep=max_to_keep, delete_checkpoint=delete_checkpoint
         )
-    counter = step_counter()
-    callbacks = [backup, counter]
+    counter = step_counter(print_steps)
+    # The counter goes first: it reports a finished step even when the backup callback then exits.
+    callbacks = [counter, backup]
     if fail:
         callbacks.append(tfscale.callbacks.FailAt(fail["step"], fail["mode"], task=fail.get("task")))
     model.fit(**make_data(dataset, batch_size), epochs=epochs, callbacks=callbacks, verbose=0)
     return {
-        "weights": [v.numpy() for v in model.weights],
+        "weights": [v.value.numpy() for v in model.weights],
         "steps_run": counter.steps,
         "restored": None if stock else backup.restored_from,
         "global_step": int(model.optimizer.iterations.numpy()),

@@ -43,8 +43,8 @@ class PreemptionWatch:
             resolver, manager, termination_config=config
         )
 
-    @staticmethod
-    def _exit():
+    def _exit(self):
+        signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)
         sys.stdout.flush()
         sys.stderr.flush()
         sys.exit(RESTART_EXIT_CODE)

@@ -6,6 +6,7 @@ import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfscale.callbacks import _backup_cluster, _backup_keras
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
@@ -38,7 +39,7 @@ def _check_args(backup_dir, save_freq, double_checkpoint, delete_checkpoint, *, 
 
     if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
         raise bad("backup_dir", backup_dir, "a non-empty directory path")
-    if not (save_freq in ("epoch", False) or (type(save_freq) is int and save_freq > 0)):
+    if not (save_freq == "epoch" or save_freq is False or (type(save_freq) is int and save_freq > 0)):
         raise bad("save_freq", save_freq, "either 'epoch', a positive integer, or False")
     for name, value in (
         ("double_checkpoint", double_checkpoint),
@@ -166,7 +167,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         model_vars, opt_vars = self._variables()
         # Every worker reads the values: reading a sync-on-read variable is a collective.
-        arrays = [np.asarray(v.numpy()) for v in model_vars + opt_vars]
+        arrays = [np.asarray(v.value.numpy()) for v in model_vars + opt_vars]
         meta = self._meta(at_epoch_end)
         self._last_saved = self._global_step
         if not self._role.writer:
@@ -240,7 +241,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         strategy = self.model.distribute_strategy
         self._role = _backup_cluster.role(strategy)
-        self._multi_worker = self._role.num_workers > 1 and hasattr(strategy, "cluster_resolver")
+        self._multi_worker = self._role.num_workers > 1 and isinstance(
+            strategy, tf.distribute.MultiWorkerMirroredStrategy
+        )
         self._epoch, self._step, self._global_step, self._last_saved = 0, 0, 0, None
         self.restored_from = None
         self._ensure_built()
@@ -278,7 +281,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._step = batch + 1
         self._global_step += done
         freq = self.save_freq
-        if freq not in ("epoch", False) and self._global_step // freq > before // freq:
+        if type(freq) is int and self._global_step // freq > before // freq:
             self._save()
         if self._preemption is not None:
             self._preemption.step_done()

@@ -1,0 +1,400 @@
+"""tfscale.callbacks.BackupAndRestore and FailAt: real faults, real files, real processes.
+
+Every resume is compared with an uninterrupted run of the same training (final weights
+within 1e-6, and exactly the remaining steps run). In-process tests interrupt with
+`FailAt(mode="raise")` (or a real SIGTERM to this process); the `slow` ones kill real
+processes and 2-worker clusters, then restart them.
+"""
+
+import json
+import logging
+import os
+import pickle
+import re
+import subprocess
+import sys
+from unittest import mock
+
+import _backup_workers as workers
+import numpy as np
+import pytest
+
+import tfscale.callbacks
+from tfscale.callbacks import _backup_store
+from tfscale.launch import run_local_cluster
+
+TOTAL_STEPS = 48  # 3 epochs x 16 steps (128 samples, batch 8)
+SCRIPT = os.path.join(os.path.dirname(__file__), "_backup_workers.py")
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a["weights"], b["weights"]))
+
+
+def interrupt_then_resume(backup_dir, fail_step, **kwargs):
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        workers.train(backup_dir, fail={"step": fail_step, "mode": "raise"}, **kwargs)
+    return workers.train(backup_dir, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs, by (dataset, steps_per_execution, strategy)."""
+    cache = {}
+
+    def get(dataset="array", steps_per_execution=1, strategy="one_device"):
+        key = (dataset, steps_per_execution, strategy)
+        if key not in cache:
+            path = tmp_path_factory.mktemp("reference")
+            cache[key] = workers.train(
+                str(path), dataset=dataset, steps_per_execution=steps_per_execution, strategy=strategy
+            )
+            assert cache[key]["steps_run"] == TOTAL_STEPS
+        return cache[key]
+
+    return get
+
+
+# --- exact resume, in process ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dataset, steps_per_execution, fail_step",
+    [
+        ("array", 1, 16),  # last step of epoch 0 (backup at 15)
+        ("array", 1, 22),  # epoch 1, backup at 20 = step 4 of epoch 1
+        ("tfdata_reshuffle", 1, 38),  # reshuffles every epoch: the resumed epoch must too
+        ("array", 2, 33),  # steps_per_execution=2: backups at 6, 16, 26, ... (every 2nd execution)
+    ],
+)
+def test_resumes_mid_epoch_exactly(tmp_path, reference, dataset, steps_per_execution, fail_step):
+    ref = reference(dataset, steps_per_execution)
+    resumed = interrupt_then_resume(
+        str(tmp_path / "b"), fail_step, dataset=dataset, steps_per_execution=steps_per_execution
+    )
+    restored = resumed["restored"]["global_step"]
+    assert 0 <= fail_step - restored <= 5 + steps_per_execution - 1  # steps lost <= save_freq (+ execution)
+    assert resumed["steps_run"] == TOTAL_STEPS - restored
+    assert resumed["global_step"] == TOTAL_STEPS
+    assert max_diff(resumed, ref) <= 1e-6
+
+
+def test_resumes_exactly_under_mirrored(tmp_path, reference):
+    ref = reference(strategy="mirrored")
+    resumed = interrupt_then_resume(str(tmp_path / "b"), 27, strategy="mirrored")
+    assert resumed["restored"]["global_step"] == 25
+    assert resumed["steps_run"] == TOTAL_STEPS - 25
+    assert max_diff(resumed, ref) <= 1e-6
+
+
+def test_stock_keras_callback_reruns_the_epoch_and_diverges(tmp_path, reference):
+    """The problem this callback fixes, shown: Keras 3's own restarts the epoch."""
+    ref = reference()
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        workers.train(str(tmp_path / "b"), stock=True, fail={"step": 22, "mode": "raise"})
+    resumed = workers.train(str(tmp_path / "b"), stock=True)
+    assert resumed["steps_run"] == 32  # epochs 1 and 2 again: 16 - 4 steps re-run
+    assert max_diff(resumed, ref) > 1e-4
+
+
+def test_backup_at_epoch_end_resumes_at_next_epoch(tmp_path, reference):
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        workers.train(str(tmp_path / "b"), save_freq="epoch", fail={"step": 40, "mode": "raise"})
+    resumed = workers.train(str(tmp_path / "b"), save_freq="epoch")
+    assert (resumed["restored"]["epoch"], resumed["restored"]["step"]) == (2, 0)
+    assert resumed["steps_run"] == 16
+    assert max_diff(resumed, reference()) <= 1e-6
+
+
+# --- atomicity, torn backups, retention ----------------------------------------------------
+
+
+def backups(path):
+    return sorted(n for n in os.listdir(path) if n.startswith("ckpt-"))
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _flip_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize(
+    "damage, target",
+    [
+        (_truncate, "state.npz"),
+        (_flip_byte, "state.npz"),
+        (_truncate, "manifest.json"),
+        (os.remove, "manifest.json"),
+    ],
+)
+def test_store_rejects_torn_backup_and_loads_the_previous(tmp_path, caplog, damage, target):
+    store = _backup_store.BackupStore(str(tmp_path), max_to_keep=2)
+    for step in (10, 20):
+        store.write(step, {"step": step}, [np.full((50, 50), step, np.float32), np.arange(step)])
+    damage(str(tmp_path / "ckpt-000000000020" / target))
+    with caplog.at_level(logging.WARNING, logger="tfscale"):
+        backup, rejected = store.load_newest()
+    assert rejected == ["ckpt-000000000020"]
+    assert backup.meta == {"step": 10} and float(backup.arrays[0][0, 0]) == 10.0
+    assert "ckpt-000000000020 is unusable" in caplog.text
+    with pytest.raises(_backup_store.UnusableBackupError):
+        store.load("ckpt-000000000020")
+
+
+def test_torn_newest_backup_falls_back_to_previous(tmp_path, reference, caplog):
+    backup_dir = tmp_path / "b"
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        workers.train(str(backup_dir), max_to_keep=2, fail={"step": 22, "mode": "raise"})
+    assert backups(backup_dir) == ["ckpt-000000000015", "ckpt-000000000020"]
+    _truncate(str(backup_dir / "ckpt-000000000020" / "state.npz"))
+    with caplog.at_level(logging.WARNING, logger="tfscale"):
+        resumed = workers.train(str(backup_dir), max_to_keep=2, delete_checkpoint=False)
+    assert "ckpt-000000000020 is unusable" in caplog.text
+    assert "falling back to the previous backup" in caplog.text
+    assert resumed["restored"]["global_step"] == 15
+    assert resumed["steps_run"] == TOTAL_STEPS - 15
+    assert max_diff(resumed, reference()) <= 1e-6
+    # The torn ckpt-20 was replaced when the resumed run reached step 20 again.
+    assert sorted(os.listdir(backup_dir)) == ["ckpt-000000000040", "ckpt-000000000045"]
+
+
+def test_all_backups_torn_is_an_error_not_a_fresh_start(tmp_path):
+    backup_dir = tmp_path / "b"
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        workers.train(str(backup_dir), fail={"step": 12, "mode": "raise"})
+    _truncate(str(backup_dir / "ckpt-000000000010" / "state.npz"))
+    with pytest.raises(tfscale.callbacks.UnusableBackupError, match="all 1 are torn or corrupt"):
+        workers.train(str(backup_dir))
+
+
+def test_crash_while_writing_publishes_nothing_and_keeps_the_last_backup(tmp_path):
+    backup_dir = tmp_path / "b"
+    real_savez = np.savez
+    calls = {"n": 0}
+
+    def savez_dies_on_third_backup(f, *arrays):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            f.write(b"PK\x03\x04 half a file")
+            raise OSError("disk full (injected)")
+        return real_savez(f, *arrays)
+
+    with mock.patch.object(_backup_store.np, "savez", savez_dies_on_third_backup):
+        with pytest.raises(OSError, match="injected"):
+            workers.train(str(backup_dir), max_to_keep=1)
+    assert backups(backup_dir) == ["ckpt-000000000010"]
+    assert [n for n in os.listdir(backup_dir) if n.startswith(".tmp-")]  # the torn write, aside
+    resumed = workers.train(str(backup_dir), max_to_keep=1, delete_checkpoint=False)
+    assert resumed["restored"]["global_step"] == 10
+    assert os.listdir(backup_dir) == ["ckpt-000000000045"]  # stale temp dir cleaned, one kept
+
+
+def test_keeps_last_k_and_deletes_on_success(tmp_path):
+    kept = workers.train(str(tmp_path / "keep"), max_to_keep=3, delete_checkpoint=False)
+    assert backups(tmp_path / "keep") == ["ckpt-000000000035", "ckpt-000000000040", "ckpt-000000000045"]
+    manifest = json.loads((tmp_path / "keep" / "ckpt-000000000045" / "manifest.json").read_text())
+    assert (manifest["meta"]["epoch"], manifest["meta"]["step"], manifest["meta"]["global_step"]) == (
+        2,
+        13,
+        45,
+    )
+    assert kept["steps_run"] == TOTAL_STEPS
+    workers.train(str(tmp_path / "gone"))
+    assert not (tmp_path / "gone").exists()
+
+
+def test_backup_of_a_different_model_is_refused(tmp_path):
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        workers.train(str(tmp_path / "b"), fail={"step": 6, "mode": "raise"})
+    with pytest.raises(
+        tfscale.callbacks.BackupMismatchError, match=r"different model \(variable 0 is .*\(8, 16\)"
+    ):
+        workers.train(str(tmp_path / "b"), units=32)
+    assert backups(tmp_path / "b") == ["ckpt-000000000005"]  # untouched
+
+
+def test_non_writer_task_writes_nothing(tmp_path):
+    tf_config = {
+        "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    with mock.patch.dict(os.environ, {"TF_CONFIG": json.dumps(tf_config)}):
+        workers.train(str(tmp_path / "b"), delete_checkpoint=False)
+    assert not (tmp_path / "b").exists()
+
+
+def test_sigterm_in_process_backs_up_next_step_and_exits_75(tmp_path, reference):
+    with pytest.raises(SystemExit) as exited:
+        workers.train(str(tmp_path / "b"), save_freq=False, fail={"step": 9, "mode": "sigterm"})
+    assert exited.value.code == tfscale.callbacks.RESTART_EXIT_CODE == 75
+    assert backups(tmp_path / "b") == ["ckpt-000000000011"]  # noticed after step 10, saved after 11
+    resumed = workers.train(str(tmp_path / "b"), save_freq=False)
+    assert resumed["steps_run"] == TOTAL_STEPS - 11
+    assert max_diff(resumed, reference()) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"backup_dir": ""}, r"`backup_dir`. Received: backup_dir=''"),
+        ({"save_freq": 0}, r"`save_freq`. Received: save_freq=0. Expected either 'epoch'"),
+        ({"save_freq": "batch"}, r"save_freq='batch'"),
+        ({"double_checkpoint": 1}, r"`double_checkpoint`"),
+        (
+            {"double_checkpoint": True, "max_to_keep": 1},
+            r"`max_to_keep`. Received: max_to_keep=1. Expected None or an integer >= 2",
+        ),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    kwargs = {"backup_dir": "/tmp/x", **kwargs}
+    with pytest.raises(tfscale.callbacks.BackupError, match=match):
+        tfscale.callbacks.BackupAndRestore(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"step": 0}, "`step`. Received: step=0"),
+        ({"step": 3, "mode": "explode"}, "`mode`"),
+        ({"step": 3, "task": "w1"}, "`task`"),
+    ],
+)
+def test_fail_at_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tfscale.callbacks.FailAt(**kwargs)
+
+
+# --- real processes: SIGKILL / SIGTERM and restart the same script -------------------------
+
+
+def run_script(config):
+    """Runs the worker script once; returns (returncode, last finished global step, result or None)."""
+    out = config["backup_dir"] + ".result.pkl"
+    if os.path.exists(out):
+        os.remove(out)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, json.dumps({**config, "out": out, "print_steps": True})],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        timeout=180,
+        check=False,
+    )
+    steps = [int(s) for s in re.findall(r"tfscale-test global_step (\d+)", proc.stdout)]
+    result = None
+    if os.path.exists(out):
+        with open(out, "rb") as f:
+            result = pickle.load(f)
+    return proc.returncode, (steps[-1] if steps else 0), result, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def subprocess_reference(tmp_path_factory):
+    code, _, result, err = run_script({"backup_dir": str(tmp_path_factory.mktemp("sref") / "b")})
+    assert code == 0, err
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_step", [9, 16, 31])  # mid-epoch 0, epoch 0's last step, mid-epoch 1
+def test_sigkill_then_restart_resumes_exactly(tmp_path, subprocess_reference, kill_step):
+    config = {"backup_dir": str(tmp_path / "b")}
+    code, last_step, _, _ = run_script({**config, "fail": {"step": kill_step, "mode": "sigkill"}})
+    assert code == -9 and last_step == kill_step
+    code, _, resumed, err = run_script(config)
+    assert code == 0, err
+    restored = resumed["restored"]["global_step"]
+    assert 0 <= last_step - restored <= 5  # steps lost <= save_freq
+    assert resumed["steps_run"] == TOTAL_STEPS - restored
+    assert max_diff(resumed, subprocess_reference) <= 1e-6
+
+
+@pytest.mark.slow
+def test_sigterm_then_restart_loses_no_step(tmp_path, subprocess_reference):
+    config = {"backup_dir": str(tmp_path / "b"), "save_freq": "epoch"}
+    code, last_step, _, err = run_script({**config, "fail": {"step": 21, "mode": "sigterm"}})
+    assert code == tfscale.callbacks.RESTART_EXIT_CODE, err
+    assert "preemption backup" in err
+    code, _, resumed, err = run_script(config)
+    assert code == 0, err
+    assert resumed["restored"]["global_step"] == last_step  # zero steps lost
+    assert resumed["steps_run"] == TOTAL_STEPS - last_step
+    assert max_diff(resumed, subprocess_reference) <= 1e-6
+
+
+# --- a real 2-worker multi_worker cluster on loopback --------------------------------------
+
+
+def cluster(backup_dir, **kwargs):
+    return run_local_cluster(
+        workers.cluster_train,
+        num_workers=2,
+        args=(backup_dir,),
+        kwargs=kwargs,
+        env={"TF_CPP_MIN_LOG_LEVEL": "2"},
+        check=False,
+        timeout=240,
+        failure_grace=5,
+    )
+
+
+def finished_steps(log):
+    steps = [int(s) for s in re.findall(r"tfscale-test global_step (\d+)", log)]
+    return steps[-1] if steps else 0
+
+
+@pytest.fixture(scope="module")
+def cluster_reference(tmp_path_factory):
+    ref = cluster(str(tmp_path_factory.mktemp("cref") / "b"))
+    assert all(r.ok for r in ref), ref[0].log[-2000:]
+    return ref
+
+
+@pytest.mark.slow
+def test_multi_worker_kill_one_worker_restart_all_resumes_exactly(tmp_path, cluster_reference):
+    ref = cluster_reference
+    backup_dir = str(tmp_path / "b")
+    killed = cluster(
+        backup_dir, fail={"step": 13, "mode": "sigkill", "task": ("worker", 1)}, print_steps=True
+    )
+    assert killed[1].returncode == -9 and not killed[0].ok
+    assert os.listdir(backup_dir) == ["ckpt-000000000010"]  # one writer, one complete backup
+    resumed = cluster(backup_dir)
+    assert all(r.ok for r in resumed), resumed[1].log[-2000:]
+    restored = {r.value["restored"]["global_step"] for r in resumed}
+    assert restored == {10}  # both workers restored the same backup
+    for r, reference_run in zip(resumed, ref):
+        assert r.value["steps_run"] == TOTAL_STEPS - 10
+        assert max_diff(r.value, reference_run.value) <= 1e-6
+    assert not os.path.exists(backup_dir)  # deleted by the chief after success
+
+
+@pytest.mark.slow
+def test_multi_worker_sigterm_backs_up_same_step_on_all_workers(tmp_path, cluster_reference):
+    backup_dir = str(tmp_path / "b")
+    stopped = cluster(
+        backup_dir,
+        save_freq=False,
+        fail={"step": 7, "mode": "sigterm", "task": ("worker", 1)},
+        print_steps=True,
+    )
+    assert [r.returncode for r in stopped] == [75, 75], stopped[1].log[-2000:]
+    last = {finished_steps(r.log) for r in stopped}
+    assert len(last) == 1  # every worker stopped after the same step
+    (step,) = last
+    assert backups(backup_dir) == [f"ckpt-{step:012d}"]
+    resumed = cluster(backup_dir, save_freq=False)
+    assert all(r.ok for r in resumed), resumed[1].log[-2000:]
+    for r, reference_run in zip(resumed, cluster_reference):
+        assert r.value["restored"]["global_step"] == step  # zero steps lost
+        assert r.value["steps_run"] == TOTAL_STEPS - step
+        assert max_diff(r.value, reference_run.value) <= 1e-6

@@ -14,6 +14,7 @@ This module only turns flags into plain values; see `supervisor` and `jobs`.
 import sys
 
 from absl import flags
+
 from tfscale.launch import _remote, jobs, supervisor
 
 __all__ = ["define_flags", "job_from_flags", "main", "run"]
@@ -151,7 +152,8 @@ def parse(argv, fv):
     try:
         return fv(argv)
     except flags.Error as e:
-        print(f"tfscale-launch: error: {e}", file=sys.stderr)
+        hint = "" if "--" in argv else " (put `--` between the flags and the command)"
+        print(f"tfscale-launch: error: {e}{hint}", file=sys.stderr)
         return 2
 
 

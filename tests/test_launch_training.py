@@ -163,7 +163,7 @@ def test_two_host_job_in_network_namespaces_fails_fast_on_a_cut_link_and_restart
 ):
     remote = f"ip netns exec {namespaces.names[0][:-1]}{{host_index}}"
     args = [
-        "--hosts", ",".join(namespaces.addresses), "--remote_cmd", remote, "--heartbeat_timeout", "20",
+        "--hosts", ",".join(namespaces.addresses), "--remote_cmd", remote, "--heartbeat_timeout", "30",
         "--max_restarts", "1", "--restart_backoff", "3", "--grace_period", "2",
         "--", sys.executable, TRAIN, "--out", str(tmp_path), "--epochs", "2", "--step_sleep", "0.2",
     ]  # fmt: skip
@@ -175,12 +175,13 @@ def test_two_host_job_in_network_namespaces_fails_fast_on_a_cut_link_and_restart
         cut = time.monotonic()
         restart = _read_until(proc, "restarting the job (restart 1 of 1)", cut + 120, seen)
         detected = time.monotonic() - cut
+        print(f"after {detected:.1f}s: {restart}")  # which rule caught it: heartbeat or TensorFlow's own error
         namespaces.set_link(1, "up")
         assert proc.wait(timeout=300) == 0, "".join(seen[-40:]) + proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert detected < 20 + 2 + 15, f"the cut link took {detected:.0f}s to fail the job"
+    assert detected < 30 + 2 + 15, f"the cut link took {detected:.0f}s to fail the job"
     assert "in attempt 1" in restart
     weights = _weights(tmp_path, ["worker-0", "worker-1"])
     _assert_identical(weights)

@@ -56,6 +56,15 @@ def _check_command(command):
     return list(command)
 
 
+def _check_program(program, environ, what="COMMAND"):
+    """Fails before anything starts when `program` cannot be run here."""
+    if shutil.which(program, path=environ.get("PATH", os.defpath)) is None:
+        raise LaunchError(
+            f"Invalid value for `{what}`. Received: {program!r}. Expected an executable file or a program "
+            "on PATH."
+        )
+
+
 def _check_count(name, value, minimum):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise LaunchError(
@@ -110,6 +119,7 @@ class LocalJob:
         self._counts = (bool(chief), num_workers, num_ps, bool(evaluator))
         self._keras_compat = keras_compat
         self._environ = dict(os.environ if environ is None else environ)
+        _check_program(self.command[0], self._environ)
         self._ports = None
         self.spec = None
 
@@ -169,7 +179,8 @@ class HostsJob:
             raise LaunchError("Invalid flags: expected exactly one of `--hosts` and `--hostfile`.")
         _check_count("num_ps", num_ps, 0)
         _check_topology(chief, num_ps)
-        _remote.check_template(remote_cmd)
+        self._environ = dict(os.environ if environ is None else environ)
+        _check_program(_remote.check_template(remote_cmd)[0], self._environ, "--remote_cmd")
         cluster_spec = _cluster_spec()
         if hostfile is not None:
             workers = list(cluster_spec.from_hostfile(hostfile, port=port).cluster["worker"])
@@ -189,7 +200,6 @@ class HostsJob:
         self._remote_cmd = remote_cmd
         self._keras_compat = keras_compat
         self._cwd = cwd or os.getcwd()
-        self._environ = dict(os.environ if environ is None else environ)
 
     def __call__(self, attempt):
         del attempt

@@ -41,6 +41,8 @@ from tfscale.launch._output import OutputPump
 __all__ = ["Failure", "LaunchError", "LaunchResult", "Supervisor", "TaskSpec", "launch"]
 
 _POLL_SECONDS = 0.05
+# SIGHUP too: tasks run in their own sessions, so a closed terminal would not reach them.
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _ROLES = ("completes", "server", "sidecar")
 
 
@@ -160,7 +162,7 @@ class Supervisor:
         self._signal = None
 
     def run(self):
-        """Runs the job; returns a `LaunchResult`. SIGINT/SIGTERM are forwarded to the tasks meanwhile."""
+        """Runs the job; returns a `LaunchResult`. SIGINT, SIGTERM, SIGHUP are forwarded to the tasks."""
         if self._log_dir is not None:
             os.makedirs(self._log_dir, exist_ok=True)
         previous = self._install_signal_handlers()
@@ -287,7 +289,7 @@ class Supervisor:
             del frame
             self._signal = self._signal or signum
 
-        return {sig: signal.signal(sig, _forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return {sig: signal.signal(sig, _forward) for sig in _FORWARDED}
 
 
 def launch(make_tasks, **options):

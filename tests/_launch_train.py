@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+__all__ = ["main"]
+
 NUM_SAMPLES, FEATURES, GLOBAL_BATCH = 192, 8, 16  # 12 steps an epoch
 
 

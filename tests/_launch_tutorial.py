@@ -15,6 +15,8 @@ import sys
 
 import numpy as np
 
+__all__ = ["main"]
+
 
 def main(main_py, out_dir):
     sys.path.insert(0, os.path.dirname(os.path.abspath(main_py)))

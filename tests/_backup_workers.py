@@ -18,14 +18,14 @@ __all__ = ["build_model", "cluster_train", "main", "make_data", "step_counter", 
 NUM_SAMPLES, FEATURES = 128, 8
 
 
-def make_data(dataset, batch_size):
+def make_data(dataset, batch_size, samples=NUM_SAMPLES):
     """`(x, y)` arrays, or a tf.data pipeline that reshuffles on every iteration."""
     import numpy as np
     import tensorflow as tf
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(NUM_SAMPLES, FEATURES)).astype("float32")
-    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(NUM_SAMPLES, 1))).astype("float32")
+    x = rng.normal(size=(samples, FEATURES)).astype("float32")
+    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(samples, 1))).astype("float32")
     if dataset == "array":
         return {"x": x, "y": y, "batch_size": batch_size}
     if dataset == "tfdata_reshuffle":
@@ -108,6 +108,7 @@ def train(
     max_to_keep=None,
     delete_checkpoint=True,
     print_steps=False,
+    samples=NUM_SAMPLES,
 ):
     """Trains once (resuming from `backup_dir` if it holds a backup); returns a result dict."""
     import time
@@ -132,7 +133,7 @@ def train(
     callbacks = [counter, backup]
     if fail:
         callbacks.append(tfscale.callbacks.FailAt(fail["step"], fail["mode"], task=fail.get("task")))
-    model.fit(**make_data(dataset, batch_size), epochs=epochs, callbacks=callbacks, verbose=0)
+    model.fit(**make_data(dataset, batch_size, samples), epochs=epochs, callbacks=callbacks, verbose=0)
     return {
         "weights": [v.value.numpy() for v in model.weights],
         "steps_run": counter.steps,

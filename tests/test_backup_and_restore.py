@@ -231,6 +231,26 @@ def test_non_writer_task_writes_nothing(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize(
+    "cluster_spec, task, writer",
+    [
+        ({"chief": ["a:1"], "worker": ["b:1", "c:1"]}, {"type": "chief", "index": 0}, True),
+        ({"chief": ["a:1"], "worker": ["b:1", "c:1"]}, {"type": "worker", "index": 0}, False),
+        ({"worker": ["b:1", "c:1"]}, {"type": "worker", "index": 0}, True),
+        ({"worker": ["b:1", "c:1"]}, {"type": "worker", "index": 1}, False),
+        ({"worker": ["b:1"]}, {"type": "worker", "index": 0}, True),
+    ],
+)
+def test_writer_is_chief_or_worker_0(cluster_spec, task, writer):
+    import tensorflow as tf
+
+    from tfscale.callbacks import _backup_cluster
+
+    environ = {"TF_CONFIG": json.dumps({"cluster": cluster_spec, "task": task})}
+    role = _backup_cluster.role(tf.distribute.get_strategy(), environ)
+    assert (role.writer, role.label) == (writer, f"{task['type']}:{task['index']}")
+
+
 def test_sigterm_in_process_backs_up_next_step_and_exits_75(tmp_path, reference):
     with pytest.raises(SystemExit) as exited:
         workers.train(str(tmp_path / "b"), save_freq=False, fail={"step": 9, "mode": "sigterm"})

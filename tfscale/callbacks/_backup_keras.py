@@ -1,10 +1,10 @@
 """The private Keras 3 internals that exact mid-epoch resume needs, all in this one module.
 
 Keras 3 (3.0 to at least 3.15.1, TensorFlow backend) resumes a backup only at an epoch
-boundary: `keras.callbacks.BackupAndRestore` sets `model._initial_epoch`, and a
-mid-epoch backup re-runs the whole epoch (keras-team/keras#18891 "BackupAndRestore
-resumes from the start of the epoch"; tf_keras had `_initial_step` for this). `fit`
-gives callbacks no handle on its input, so this module:
+boundary: its `BackupAndRestore.on_train_begin` sets `model._initial_epoch` and nothing
+else, so a mid-epoch backup re-runs the whole epoch (tf_keras had `_initial_step` in its
+DataHandler for this; Keras 3 has no public equivalent and no upstream issue tracks it
+as of 3.15.1). `fit` gives callbacks no handle on its input, so this module:
 
 1. finds the `TFEpochIterator` of the running `fit` call (the local `epoch_iterator`
    of the `fit` frame whose `self` is the model; it exists before `on_train_begin`);

@@ -1,0 +1,186 @@
+"""Cost of `tfscale.callbacks.BackupAndRestore`: per save, share of step time, restart to first step.
+
+Part 1 (in this process): a small MLP (~285k parameters, Adam) trains 2 epochs x 512
+steps with no backup, with `save_freq="epoch"` and with `save_freq=100`; prints the
+cost of one save (weights + optimizer state written, fsynced, renamed), the size of a
+backup, and the share of training time spent saving.
+
+Part 2 (real processes): the training of `tests/_backup_workers.py` with 1024 steps an
+epoch is SIGKILLed at step 900 and restarted; prints the time from the restarted
+process's start to its first resumed step, next to a fresh start of the same script
+(the difference is restore + skipping 900 consumed batches).
+
+    python bench/bench_backup.py [--steps_per_epoch 512] [--skip_restart]
+
+Writes `bench/results/bench_backup.json`.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "..", "tests", "_backup_workers.py")
+
+
+def _timed_callback_class():
+    import tfscale.callbacks
+
+    class TimedBackup(tfscale.callbacks.BackupAndRestore):
+        """Records how long each save takes (the real `_save`, timed from outside)."""
+
+        save_seconds = ()
+
+        def _save(self, *args, **kwargs):
+            start = time.perf_counter()
+            super()._save(*args, **kwargs)
+            self.save_seconds = (*self.save_seconds, time.perf_counter() - start)
+
+    return TimedBackup
+
+
+def _fit_once(save_freq, steps_per_epoch, workdir):
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    batch = 32
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps_per_epoch * batch, 32)).astype("float32")
+    y = rng.normal(size=(steps_per_epoch * batch, 1)).astype("float32")
+    model = keras.Sequential(
+        [
+            keras.Input((32,)),
+            keras.layers.Dense(512, "relu"),
+            keras.layers.Dense(512, "relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)  # trace once, outside the timing
+    callbacks = []
+    if save_freq is not None:
+        callbacks = [
+            _timed_callback_class()(
+                os.path.join(workdir, str(save_freq)), save_freq=save_freq, delete_checkpoint=False
+            )
+        ]
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=batch, epochs=2, callbacks=callbacks, verbose=0)
+    total = time.perf_counter() - start
+    saves = callbacks[0].save_seconds if callbacks else ()
+    size = 0
+    if callbacks:
+        backup_dir = callbacks[0].backup_dir
+        for root, _, files in os.walk(backup_dir):
+            size += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return {
+        "params": model.count_params(),
+        "seconds": total,
+        "saves": len(saves),
+        "save_seconds": list(saves),
+        "disk_bytes": size,
+    }
+
+
+def _save_costs(steps_per_epoch):
+    workdir = tempfile.mkdtemp(prefix="tfscale-bench-backup-")
+    rows = {}
+    for label, freq in (("none", None), ("epoch", "epoch"), ("100", 100)):
+        rows[label] = _fit_once(freq, steps_per_epoch, workdir)
+    base = rows["none"]["seconds"]
+    print(f"model: {rows['none']['params']} parameters, 2 epochs x {steps_per_epoch} steps, batch 32, Adam")
+    print(
+        f"{'save_freq':>9} {'fit s':>7} {'step ms':>8} {'saves':>5} {'ms/save':>8} {'MB/backup':>9} "
+        f"{'share':>7} {'vs none':>8}"
+    )
+    for label, r in rows.items():
+        steps = 2 * steps_per_epoch
+        per_save = 1000 * sum(r["save_seconds"]) / r["saves"] if r["saves"] else 0.0
+        share = sum(r["save_seconds"]) / r["seconds"]
+        mb = r["disk_bytes"] / 2**20
+        r.update(
+            step_ms=1000 * r["seconds"] / steps,
+            ms_per_save=per_save,
+            share_of_fit=share,
+            overhead=r["seconds"] / base - 1,
+        )
+        print(
+            f"{label:>9} {r['seconds']:>7.2f} {r['step_ms']:>8.2f} {r['saves']:>5} {per_save:>8.1f} "
+            f"{mb:>9.2f} "
+            f"{100 * share:>6.1f}% {100 * r['overhead']:>+7.1f}%"
+        )
+    return rows
+
+
+def _restart_times():
+    import pickle
+
+    workdir = tempfile.mkdtemp(prefix="tfscale-bench-restart-")
+    common = {"samples": 8192, "epochs": 1, "save_freq": 100, "print_steps": False}
+    out = os.path.join(workdir, "r.pkl")
+    rows = {}
+    for label, backup_dir, fail in (
+        ("fresh start", os.path.join(workdir, "fresh"), None),
+        ("killed at 900", os.path.join(workdir, "killed"), {"step": 900, "mode": "sigkill"}),
+    ):
+        if fail:
+            subprocess.run(
+                [
+                    sys.executable,
+                    SCRIPT,
+                    json.dumps({**common, "backup_dir": backup_dir, "out": out, "fail": fail}),
+                ],
+                capture_output=True,
+                env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+                check=False,
+            )
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, SCRIPT, json.dumps({**common, "backup_dir": backup_dir, "out": out})],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+            check=False,
+        )
+        wall = time.monotonic() - start
+        with open(out, "rb") as f:
+            result = pickle.load(f)
+        rows[label] = {
+            "process_seconds": wall,
+            "fit_start_to_first_step": result["seconds_to_first_step"],
+            "steps_run": result["steps_run"],
+            "resumed_at": (result["restored"] or {}).get("global_step", 0),
+            "returncode": proc.returncode,
+        }
+    print("restart (tests/_backup_workers.py, 1024 steps/epoch, backups every 100 steps):")
+    print(f"{'run':>14} {'resumed_at':>10} {'steps run':>9} {'train() -> 1st step s':>22} {'process s':>9}")
+    for label, r in rows.items():
+        print(
+            f"{label:>14} {r['resumed_at']:>10} {r['steps_run']:>9} {r['fit_start_to_first_step']:>22.2f} "
+            f"{r['process_seconds']:>9.2f}"
+        )
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps_per_epoch", type=int, default=512)
+    parser.add_argument("--skip_restart", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    results = {"save_cost": _save_costs(args.steps_per_epoch)}
+    if not args.skip_restart:
+        results["restart"] = _restart_times()
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "bench_backup.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Chaos runs for `tfscale.callbacks.BackupAndRestore`: SIGKILL at random steps, restart, compare.
+
+Each trial starts the tiny training of `tests/_backup_workers.py` (3 epochs x 16 steps,
+dropout, Adam, backups every `--save_freq` steps), kills it with a real SIGKILL at a
+random global step (`FailAt(mode="sigkill")`), restarts the same command, and compares
+the final weights with an uninterrupted run. Prints one row per trial and writes JSON
+to `bench/results/chaos_backup[_workers2][_stock].json`.
+
+    python bench/chaos_backup.py --trials 20            # single process
+    python bench/chaos_backup.py --trials 5 --workers 2 # 2-worker multi_worker cluster
+    python bench/chaos_backup.py --trials 5 --stock     # keras.callbacks.BackupAndRestore
+"""
+
+import argparse
+import json
+import os
+import pickle
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "..", "tests", "_backup_workers.py")
+TOTAL_STEPS = 48
+STEP_RE = re.compile(r"tfscale-test global_step (\d+)")
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a["weights"], b["weights"]))
+
+
+def _run_process(config):
+    out = config["backup_dir"] + f".result-{time.monotonic_ns()}.pkl"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, json.dumps({**config, "out": out, "print_steps": True})],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        timeout=600,
+        check=False,
+    )
+    steps = [int(s) for s in STEP_RE.findall(proc.stdout)]
+    result = None
+    if os.path.exists(out):
+        with open(out, "rb") as f:
+            result = pickle.load(f)
+    return [
+        {
+            "code": proc.returncode,
+            "last_step": steps[-1] if steps else 0,
+            "result": result,
+            "log": proc.stderr,
+        }
+    ]
+
+
+def _run_cluster(config):
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import _backup_workers
+
+    from tfscale.launch import run_local_cluster
+
+    config = dict(config)
+    backup_dir = config.pop("backup_dir")
+    results = run_local_cluster(
+        _backup_workers.cluster_train,
+        num_workers=2,
+        args=(backup_dir,),
+        kwargs={**config, "print_steps": True},
+        env={"TF_CPP_MIN_LOG_LEVEL": "2"},
+        check=False,
+        timeout=600,
+        failure_grace=5,
+    )
+    return [
+        {
+            "code": r.returncode,
+            "last_step": max([0] + [int(s) for s in STEP_RE.findall(r.log)]),
+            "result": r.value,
+            "log": r.log,
+        }
+        for r in results
+    ]
+
+
+def _trial(run, base, kill_step, kill_task, reference):
+    fail = {"step": kill_step, "mode": "sigkill"}
+    if kill_task is not None:
+        fail["task"] = kill_task
+    killed = run({**base, "fail": fail})
+    last = max(t["last_step"] for t in killed)
+    resumed = run(base)
+    row = {"kill_step": kill_step, "killed_codes": [t["code"] for t in killed], "last_finished_step": last}
+    if not all(t["code"] == 0 and t["result"] for t in resumed):
+        row.update(ok=False, error=resumed[0]["log"].strip().splitlines()[-1:])
+        return row
+    steps_run = resumed[0]["result"]["steps_run"]
+    resumed_at = TOTAL_STEPS - steps_run
+    diff = max(_max_diff(t["result"], r["result"]) for t, r in zip(resumed, reference))
+    lost = last - resumed_at
+    row.update(
+        resumed_at=resumed_at,
+        steps_lost=lost,
+        steps_run=steps_run,
+        max_abs_diff=diff,
+        ok=bool(diff <= 1e-6 and 0 <= lost <= base["save_freq"]),
+    )
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--workers", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--save_freq", type=int, default=5)
+    parser.add_argument("--stock", action="store_true", help="use keras.callbacks.BackupAndRestore")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    run = _run_cluster if args.workers == 2 else _run_process
+    workdir = tempfile.mkdtemp(prefix="tfscale-chaos-")
+    base = {"save_freq": args.save_freq, "stock": args.stock}
+    reference = run({**base, "backup_dir": os.path.join(workdir, "reference"), "stock": False})
+    rows = []
+    # Always include epoch boundaries (16, 32) and their neighbours; the rest are random.
+    steps = [16, 17, 32] + [rng.randint(1, TOTAL_STEPS - 1) for _ in range(max(0, args.trials - 3))]
+    print(f"{'trial':>5} {'kill':>5} {'resumed_at':>10} {'lost':>5} {'ran':>4} {'max|diff|':>10}  ok")
+    for i, kill_step in enumerate(steps[: args.trials]):
+        task = ("worker", rng.randint(0, 1)) if args.workers == 2 else None
+        row = _trial(run, {**base, "backup_dir": os.path.join(workdir, f"t{i}")}, kill_step, task, reference)
+        row.update(trial=i, killed_task=task)
+        rows.append(row)
+        print(
+            f"{i:>5} {kill_step:>5} {row.get('resumed_at', '-')!s:>10} {row.get('steps_lost', '-')!s:>5} "
+            f"{row.get('steps_run', '-')!s:>4} {row.get('max_abs_diff', float('nan')):>10.2e}  {row['ok']}",
+            flush=True,
+        )
+    passed = sum(r["ok"] for r in rows)
+    print(f"{passed}/{len(rows)} trials resumed exactly (max |diff| <= 1e-6, steps lost <= {args.save_freq})")
+    name = "chaos_backup" + ("_workers2" if args.workers == 2 else "") + ("_stock" if args.stock else "")
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", name + ".json"), "w") as f:
+        json.dump({"args": vars(args), "trials": rows, "passed": passed}, f, indent=1)
+    return 0 if passed == len(rows) or args.stock else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

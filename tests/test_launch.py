@@ -159,6 +159,23 @@ def test_hung_tasks_fail_the_attempt(marker, flags, script, reason):
     assert reason in run.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "ending"),
+    [
+        (["--num_workers", "2", "--evaluator"], "worker"),
+        (["--chief", "--num_workers", "2", "--num_ps", "1"], "chief"),
+    ],
+    ids=["evaluator_sidecar", "parameter_servers"],
+)
+def test_job_ends_when_its_job_ending_tasks_exit_0_and_stops_the_rest(marker, flags, ending):
+    # Job-ending tasks exit 0 at once; evaluator / ps / PS-workers would serve forever.
+    script = f'case "$TF_CONFIG" in *\\"type\\":\\"{ending}\\"*) exit 0;; esac; exec sleep 60'
+    started = time.monotonic()
+    run = run_launcher([*flags, "--grace_period", "1", "--", "sh", "-c", script], marker)
+    assert run.returncode == 0, run.stderr
+    assert time.monotonic() - started < 10
+
+
 def test_task_ignoring_sigterm_is_killed_after_the_grace_period(marker):
     script = (
         'trap \'\' TERM; case "$TF_CONFIG" in *\\"index\\":1*) exit 1;; esac; while :; do sleep 0.1; done'

@@ -1,17 +1,21 @@
 """Pipeline parallelism on 2 logical CPU devices, one core each: steps/s and measured bubble.
 
 Compares, on the same MLP and the same batches:
-- one device: the plain Keras model, `fit` on one logical CPU device;
+- one device: the plain Keras model, `fit` on one logical CPU device (TensorFlow may still
+  run two independent ops at once, i.e. use both cores);
+- one core: the same model as a 1-stage pipeline, its ops run one at a time;
 - naive split: the model cut into 2 stages, one batch at a time (pipeline with M=1);
-- pipeline: GPipe and 1F1B with M = 1, 2, 4, 8 micro-batches.
+- pipeline: GPipe and 1F1B with M = 1, 2, 4, 8 micro-batches;
+- "free" rows: the same without `serialize_stages`, i.e. a stage may use both cores.
 
 TensorFlow runs each op on one thread (`intra_op` = 1) and up to 2 ops at once (`inter_op`
-= 2), so each stage gets one core and overlap is the only source of speed-up. The bubble
-is measured on a profiled step (`PipelinedModel.trace_step`) and compared with the theory
-(S - 1) / (M + S - 1). Prints a table, writes `bench/results/pipeline.json` and the Gantt
-charts `bench/results/pipeline_timeline_{schedule}_m{M}.png`.
+= 2); with `serialize_stages` (the default on CPU) each stage runs one op at a time, so
+each stage gets one core and overlap between stages is the only source of speed-up. The
+bubble is measured on a profiled step (`PipelinedModel.trace_step`) and compared with the
+theory (S - 1) / (M + S - 1). Prints a table, writes `bench/results/pipeline.json` and the
+Gantt charts `bench/results/pipeline_timeline_{schedule}_m{M}.png`.
 
-    python bench/bench_pipeline.py [--steps 20] [--width 512] [--layers 8] [--batch 256]
+    python bench/bench_pipeline.py [--steps 10] [--width 512] [--layers 8] [--batch 1024]
 """
 
 import argparse
@@ -60,49 +64,45 @@ def _steps_per_second(model, x, y, batch, steps):
     return best
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=256)
-    args = parser.parse_args(argv)
-    _configure()
+def _configs():
+    yield "one device", None, {}
+    yield "one core", "1f1b", {"num_stages": 1, "num_microbatches": 1, "serialize_stages": True}
+    yield "naive split free", "1f1b", {"num_microbatches": 1, "serialize_stages": False}
+    yield "pipeline free", "1f1b", {"num_microbatches": 8, "serialize_stages": False}
+    for schedule in ("gpipe", "1f1b"):
+        for m in (1, 2, 4, 8):
+            yield ("naive split" if m == 1 else "pipeline"), schedule, {"num_microbatches": m}
+
+
+def _run(name, schedule, options, args, data):
+    x, y = data
     from tfscale.strategies import PipelineStrategy
     from tfscale.strategies._timeline import plot
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.batch * args.steps, args.width)).astype("float32")
-    y = rng.normal(size=(args.batch * args.steps, 10)).astype("float32")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    rows = []
-    with tf.device("/device:CPU:0"):
-        single = _steps_per_second(_model(args.width, args.layers), x, y, args.batch, args.steps)
-    rows.append({"run": "one device", "schedule": "-", "M": "-", "steps_per_s": single})
-    naive = None
-    for schedule in ("gpipe", "1f1b"):
-        for m in (1, 2, 4, 8):
-            strategy = PipelineStrategy(
-                num_stages=2, num_microbatches=m, schedule=schedule, balance="uniform"
-            )
-            pipelined = strategy.wrap(_model(args.width, args.layers))
-            rate = _steps_per_second(pipelined, x, y, args.batch, args.steps)
-            trace = pipelined.trace_step(x[: args.batch], y[: args.batch])
-            plot(trace, RESULTS / f"pipeline_timeline_{schedule}_m{m}.png")
-            naive = rate if (m == 1 and naive is None) else naive
-            rows.append(
-                {
-                    "run": "naive split" if m == 1 else "pipeline",
-                    "schedule": schedule,
-                    "M": m,
-                    "steps_per_s": rate,
-                    "bubble": trace.bubble,
-                    "bubble_theory": trace.theoretical_bubble,
-                    "live_activations": trace.live_activations,
-                }
-            )
+    model = _model(args.width, args.layers)
+    if schedule is None:
+        with tf.device("/device:CPU:0"):
+            return {"run": name, "schedule": "-", "M": "-", "steps_per_s": _rate(model, x, y, args)}
+    options = {"num_stages": 2, "schedule": schedule, "balance": "uniform", **options}
+    pipelined = PipelineStrategy(**options).wrap(model)
+    row = {"run": name, "schedule": schedule, "M": options["num_microbatches"]}
+    row["steps_per_s"] = _rate(pipelined, x, y, args)
+    trace = pipelined.trace_step(x[: args.batch], y[: args.batch])
+    row.update(bubble=trace.bubble, bubble_theory=trace.theoretical_bubble, live=trace.live_activations)
+    if options["num_stages"] == 2 and pipelined.stages[0].serial:
+        plot(trace, RESULTS / f"pipeline_timeline_{schedule}_m{row['M']}.png")
+    return row
+
+
+def _rate(model, x, y, args):
+    return _steps_per_second(model, x, y, args.batch, args.steps)
+
+
+def _print(rows):
+    by_run = {(r["run"], r["schedule"]): r["steps_per_s"] for r in rows}
+    single, naive = by_run[("one device", "-")], by_run[("naive split", "1f1b")]
     print(
-        f"{'run':<12} {'schedule':<8} {'M':>2} {'steps/s':>8} {'x one-dev':>9} {'x naive':>8} "
+        f"{'run':<17} {'schedule':<8} {'M':>2} {'steps/s':>8} {'x one-dev':>9} {'x naive':>8} "
         f"{'bubble':>7} {'theory':>7} live"
     )
     for row in rows:
@@ -111,11 +111,27 @@ def main(argv=None):
         bubble = f"{row['bubble']:.2f}" if "bubble" in row else "-"
         theory = f"{row['bubble_theory']:.2f}" if "bubble" in row else "-"
         print(
-            f"{row['run']:<12} {row['schedule']:<8} {row['M']!s:>2} {row['steps_per_s']:8.2f} "
+            f"{row['run']:<17} {row['schedule']:<8} {row['M']!s:>2} {row['steps_per_s']:8.2f} "
             f"{row['speedup_vs_one_device']:9.2f} {row['speedup_vs_naive_split']:8.2f} {bubble:>7} "
-            f"{theory:>7} {row.get('live_activations', '-')}"
+            f"{theory:>7} {row.get('live', '-')}"
         )
-    report = {"args": vars(args), "rows": rows}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=1024)
+    args = parser.parse_args(argv)
+    _configure()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batch * args.steps, args.width)).astype("float32")
+    y = rng.normal(size=(args.batch * args.steps, 10)).astype("float32")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    rows = [_run(name, schedule, options, args, (x, y)) for name, schedule, options in _configs()]
+    _print(rows)
+    report = {"args": vars(args), "load_average": os.getloadavg(), "rows": rows}
     (RESULTS / "pipeline.json").write_text(json.dumps(report, indent=2))
     return report
 

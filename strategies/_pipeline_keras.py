@@ -1,4 +1,6 @@
-"""The few Keras internals the pipeline needs, in one place (checked on Keras 3.0-3.15, TF backend).
+"""The few Keras and TensorFlow internals the pipeline needs, in one place.
+
+Checked on Keras 3.0-3.15 (TF backend) and TensorFlow 2.16-2.21.
 
 Keras 3 has no public hook to compute the compiled loss *without* `model.losses`, nor to
 update the "loss" metric the way `Model.train_step` does, nor to choose where an
@@ -15,11 +17,25 @@ optimizer's slot variables live. A pipelined `train_step` needs all three:
   (keras-team/keras: slots land on the default device), so momentum and velocity of a
   stage's variables would live on device 0. Wrapping the public method on the instance
   puts each slot on its variable's device.
+- `tf.Operation._add_control_input` (TF 1.x-2.21): makes a stage execute its ops one at a
+  time (`chain_in_creation_order`). Logical CPU devices share one inter-op thread pool, so
+  without it one stage can run two of its ops at once on both cores (e.g. a Dense layer's
+  input and weight gradients), which a GPU stream never does, and "one core per stage"
+  would not hold. `tf.control_dependencies` cannot express it: the ops come from
+  `GradientTape.gradient` all at once.
 """
 
 import tensorflow as tf
 
-__all__ = ["compiled_loss", "place_slots_with_variables", "update_loss_tracker"]
+__all__ = [
+    "chain_in_creation_order",
+    "compiled_loss",
+    "place_slots_with_variables",
+    "update_loss_tracker",
+    "variable_device",
+]
+
+_UNCHAINED = frozenset(["Const", "NoOp", "Placeholder"])
 
 
 def compiled_loss(model):
@@ -49,3 +65,22 @@ def place_slots_with_variables(optimizer):
 
     optimizer.add_variable_from_reference = add_variable_from_reference
     optimizer._tfscale_placed_slots = True
+
+
+def chain_in_creation_order(operations):
+    """Adds control edges so that `operations` run one after another, in creation order.
+
+    Creation order is a topological order of the graph (an op is created after its inputs)
+    and every added edge points from an earlier to a later op, so no cycle can form.
+
+    Returns:
+        The last op of the chain: when it has run, all of them have.
+    """
+    previous = None
+    for op in operations:
+        if op.type in _UNCHAINED:
+            continue
+        if previous is not None:
+            op._add_control_input(previous)
+        previous = op
+    return previous

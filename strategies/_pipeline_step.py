@@ -17,7 +17,7 @@ and variables, the same chain rule as one tape over the whole model.
 
 import tensorflow as tf
 
-from tfscale.strategies import _schedule
+from tfscale.strategies import _pipeline_keras, _schedule
 
 __all__ = ["Stage", "forward_only", "run_batch", "scope_name"]
 
@@ -25,11 +25,12 @@ __all__ = ["Stage", "forward_only", "run_batch", "scope_name"]
 class Stage:
     """One pipeline stage: its consecutive layers and its device (not tracked by Keras)."""
 
-    def __init__(self, index, layers, device, recompute=False):
+    def __init__(self, index, layers, device, recompute=False, serial=False):
         self.index = index
         self.layers = list(layers)
         self.device = device
         self.recompute = recompute
+        self.serial = serial
 
     @property
     def trainable_variables(self):
@@ -70,8 +71,8 @@ class _Batch:
         self.num_stages = len(stages)
         self.orders = _schedule.order(schedule, self.num_stages, len(inputs))
         self.waits = {}
-        for stage_order in self.orders:
-            self.waits.update(_schedule.control_dependencies(stage_order))
+        for stage, stage_order in zip(stages, self.orders):
+            self.waits.update(_schedule.control_dependencies(stage_order, strict=stage.serial))
         self.done = {}
         self.gradients = [None] * self.num_stages
 
@@ -80,10 +81,19 @@ class _Batch:
             return
         for dep in _schedule.data_dependencies(step, self.num_stages) + self.waits[step]:
             self.emit(dep)
-        gate = [t for dep in self.waits[step] for t in self.done[dep]["gate"]]
         stage = self.stages[step.stage]
+        serial = stage.serial and not tf.executing_eagerly()
+        waits = list(self.waits[step])
+        if serial and step.kind == "B":
+            waits.append(_schedule.Step(step.stage, "F", step.microbatch))  # F all done, as on a stream
+        gate = [t for dep in waits for t in self.done[dep]["gate"]]
+        graph = tf.compat.v1.get_default_graph() if serial else None
+        first = len(graph.get_operations()) if serial else 0
         with tf.device(stage.device), tf.name_scope(scope_name(step)), tf.control_dependencies(gate):
             self.done[step] = self._forward(step) if step.kind == "F" else self._backward(step)
+        if serial:
+            last = _pipeline_keras.chain_in_creation_order(graph.get_operations()[first:])
+            self.done[step]["gate"] = [last]  # The chain's last op: the whole step is done.
 
     def _forward(self, step):
         stage, last = self.stages[step.stage], step.stage == self.num_stages - 1
@@ -118,7 +128,8 @@ class _Batch:
         # Summed in micro-batch order (the backward chain guarantees it), on the stage device.
         acc = self.gradients[s]
         self.gradients[s] = grads if acc is None else [a + g for a, g in zip(acc, grads)]
-        return {"dx": dx, "gate": _flat_outputs([dx, grads])}
+        # The sums belong to this step: the next step of the stage waits for them too.
+        return {"dx": dx, "gate": _flat_outputs([dx, self.gradients[s]])}
 
 
 def run_batch(stages, schedule, inputs, loss_fn):

@@ -69,8 +69,11 @@ def data_dependencies(step, num_stages):
     return deps
 
 
-def control_dependencies(stage_order):
+def control_dependencies(stage_order, strict=False):
     """The fewest same-stage waits that make the executor keep this stage's order.
+
+    With `strict`, each step simply waits for the step before it: the stage runs its
+    order exactly, as a device stream executing the schedule's instruction list does.
 
     A forward waits for the latest backward before it in the order (this is what bounds
     the live activations: in 1F1B, F(i + S - s) waits for B(i)) and for the previous
@@ -83,10 +86,13 @@ def control_dependencies(stage_order):
 
     Args:
         stage_order: one stage's list of `Step`, as from `order`.
+        strict: wait for the previous step, whatever its kind.
 
     Returns:
         A dict from each `Step` to the list of `Step`s it must wait for.
     """
+    if strict:
+        return {step: stage_order[k - 1 : k] for k, step in enumerate(stage_order)}
     deps, last_f, last_b = {}, None, None
     for step in stage_order:
         waits = []

@@ -24,6 +24,12 @@ __all__ = ["PipelineTrace", "plot", "trace_train_step"]
 
 # Forward ops are named `pipeline/s1_F3/...`; a tape names the gradient ops of a forward op
 # `gradient_tape/<forward op name>`, so `gradient_tape/pipeline/s1_F3/...` is backward B3.
+# Ops that compute nothing: a variable read runs as soon as the variable is free (it holds no
+# activation), sends/receives are added between devices by the partitioner. They are left out
+# of a group's interval, which thus spans the group's computation.
+_BOOKKEEPING = frozenset(
+    ["ReadVariableOp", "_Send", "_Recv", "_HostSend", "_HostRecv", "Const", "NoOp", "Identity"]
+)
 _GROUP = re.compile(r"(?:^|/)(gradient_tape/)?pipeline/s(\d+)_([FB])(\d+)/")
 
 
@@ -73,7 +79,7 @@ def _group_intervals(events):
     groups, ops = {}, []
     for name, start, end in events:
         match = _GROUP.search(name)
-        if match is None:
+        if match is None or name.rpartition(":")[2] in _BOOKKEEPING:
             continue
         tape, stage, kind, microbatch = match.groups()
         step = _schedule.Step(int(stage), "B" if tape else kind, int(microbatch))

@@ -89,6 +89,10 @@ class PipelineStrategy:
             time; pass `sample_input` to `wrap`) or a list of S layer counts.
         recompute: recompute each stage's activations in its backward
             (`tf.recompute_grad`) instead of keeping them.
+        serialize_stages: run each stage's ops one at a time, as a device stream does.
+            None (default) means True on CPU devices: logical CPU devices share one
+            thread pool, and without it a stage could take every core. False lets
+            TensorFlow run independent ops of one stage side by side.
 
     Raises:
         StrategyError: an option out of range, or more stages than devices.
@@ -103,12 +107,14 @@ class PipelineStrategy:
         devices=None,
         balance="parameters",
         recompute=False,
+        serialize_stages=None,
         **unknown,
     ):
         if unknown:
             raise StrategyError(
                 f"Unknown option(s) {sorted(unknown)} for strategy 'pipeline'. Expected options: "
-                "['num_stages', 'num_microbatches', 'schedule', 'devices', 'balance', 'recompute']."
+                "['num_stages', 'num_microbatches', 'schedule', 'devices', 'balance', 'recompute', "
+                "'serialize_stages']."
             )
         self.num_stages = _positive_int("num_stages", num_stages)
         self.num_microbatches = _positive_int("num_microbatches", num_microbatches)
@@ -122,16 +128,24 @@ class PipelineStrategy:
                 f"Invalid value for argument `recompute`. Received: recompute={recompute!r}. "
                 "Expected True or False."
             )
+        if serialize_stages not in (None, True, False):
+            raise StrategyError(
+                f"Invalid value for argument `serialize_stages`. Received: "
+                f"serialize_stages={serialize_stages!r}. Expected None, True or False."
+            )
         self.schedule = schedule
         self.balance = balance
         self.recompute = recompute
         self.devices = _resolve_devices(devices, num_stages)
+        if serialize_stages is None:
+            serialize_stages = all(_device_key(d)[0] == "CPU" for d in self.devices)
+        self.serialize_stages = serialize_stages
 
     def __repr__(self):
         return (
             f"PipelineStrategy(num_stages={self.num_stages}, num_microbatches={self.num_microbatches}, "
             f"schedule={self.schedule!r}, devices={self.devices}, balance={self.balance!r}, "
-            f"recompute={self.recompute})"
+            f"recompute={self.recompute}, serialize_stages={self.serialize_stages})"
         )
 
     def wrap(self, model, *, sample_input=None):
@@ -173,7 +187,7 @@ class PipelineStrategy:
                 "pipeline stage on %s: %d params, layers %s", part["device"], part["params"], part["layers"]
             )
         unsplit = _placed_clone(model, layers, counts, self.devices)
-        stages = _stages(unsplit, counts, self.devices, self.recompute)
+        stages = _stages(unsplit, counts, self.devices, self.recompute, self.serialize_stages)
         return PipelinedModel(unsplit, stages, self.schedule, self.num_microbatches, partition)
 
 
@@ -198,12 +212,12 @@ def _placed_clone(model, layers, counts, devices):
     return keras.models.clone_model(model, clone_function=clone_layer)
 
 
-def _stages(unsplit, counts, devices, recompute):
+def _stages(unsplit, counts, devices, recompute, serial):
     from tfscale.strategies._pipeline_step import Stage
 
     layers, stages, start = _partition.chain_layers(unsplit), [], 0
     for index, (count, device) in enumerate(zip(counts, devices)):
-        stage = Stage(index, layers[start : start + count], device, recompute)
+        stage = Stage(index, layers[start : start + count], device, recompute, serial)
         start += count
         for variable in (w for layer in stage.layers for w in layer.weights):
             if _device_key(_pipeline_keras.variable_device(variable)) != _device_key(device):

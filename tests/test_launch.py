@@ -94,6 +94,7 @@ def test_log_dir_gets_one_file_per_task_appended_on_restart(marker, tmp_path):
 @pytest.mark.parametrize(
     ("command", "reason"),
     [("exit 3", "exit code 3"), ("kill -KILL $$", "signal SIGKILL")],
+    ids=["exit_code", "sigkill"],
 )
 def test_failed_task_stops_the_others_and_fails_fast(marker, command, reason):
     script = f'case "$TF_CONFIG" in *\\"index\\":1*) sleep 0.2; {command};; esac; exec sleep 60'
@@ -150,6 +151,7 @@ def test_job_failing_every_attempt_stops_after_max_restarts(marker, tmp_path):
         (["--heartbeat_timeout", "1"], "echo hello; exec sleep 60",
          "printed nothing for 1s (--heartbeat_timeout)"),
     ],
+    ids=["finish_timeout", "task_timeout", "heartbeat_timeout"],
 )  # fmt: skip
 def test_hung_tasks_fail_the_attempt(marker, flags, script, reason):
     started = time.monotonic()

@@ -175,7 +175,7 @@ def test_two_host_job_in_network_namespaces_fails_fast_on_a_cut_link_and_restart
         cut = time.monotonic()
         restart = _read_until(proc, "restarting the job (restart 1 of 1)", cut + 120, seen)
         detected = time.monotonic() - cut
-        print(f"after {detected:.1f}s: {restart}")  # which rule caught it: heartbeat or TensorFlow's own error
+        print(f"after {detected:.1f}s: {restart}")  # which rule caught it (heartbeat or a task error)
         namespaces.set_link(1, "up")
         assert proc.wait(timeout=300) == 0, "".join(seen[-40:]) + proc.stdout.read()
     finally:

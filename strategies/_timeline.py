@@ -158,7 +158,7 @@ def plot(trace, path, title=None):
         matplotlib.patches.Patch(color=c, label=k)
         for k, c in (("forward", colours["F"]), ("backward", colours["B"]))
     ]
-    ax.legend(handles=handles, loc="upper right", fontsize=7)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     ax.set_title(
         title
         or (

@@ -13,6 +13,8 @@ Example:
 >>> pipelined.compile(optimizer="sgd", loss="mse")
 >>> pipelined.fit(x, y, batch_size=32)
 >>> pipelined.save_weights("w.weights.h5")    # model.load_weights("w.weights.h5") works
+>>> trace = pipelined.trace_step(x[:32], y[:32])  # one profiled step
+>>> plot_timeline(trace, "timeline.png")        # Gantt chart, measured bubble in the title
 """
 
 import logging
@@ -22,8 +24,10 @@ import tensorflow as tf
 from tfscale.strategies import _partition, _pipeline_keras, _schedule
 from tfscale.strategies._devices import split_cpu
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._timeline import PipelineTrace
+from tfscale.strategies._timeline import plot as plot_timeline
 
-__all__ = ["PipelineStrategy"]
+__all__ = ["PipelineStrategy", "PipelineTrace", "plot_timeline"]
 
 _log = logging.getLogger("tfscale")
 

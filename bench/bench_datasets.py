@@ -5,8 +5,8 @@ synthetic images) as float32 batches. Each is drained inside a `tf.function`
 (`Dataset.reduce`), so Python's per-batch overhead is not measured, for `--epochs`
 epochs per timing after a warm-up epoch; the two are timed alternately (A, B, A, B, ...)
 and the medians compared. Also shown: the naive pipeline with the same shuffle as
-`load`, and `load`'s cold first epoch (TFDS TFRecord read + image decode before the
-in-memory cache is filled; the dataset itself is prepared before any timing).
+`load`, and `load`'s cold start ("cold": the `load` call, which reads and decodes a small
+split into memory, plus the first epoch; the TFDS dataset is prepared before any timing).
 Goal: `load` (shuffled, cached, prefetched) at least as fast as the naive pipeline with
 the same shuffle (ratio "vs shuf" >= 1.0).
 

@@ -8,7 +8,7 @@ How a dataset is spread over a cluster (`DatasetInfo.sharding`, also logged):
   (`AutoShardPolicy.DATA`); `tf.distribute` cuts each global batch into one piece per
   replica of the cluster and each worker keeps only its own pieces. Workers receive
   disjoint examples that together make every global batch, so a step is the same
-  computation as on one device. Chosen for data cached in memory (reading it all is cheap).
+  computation as on one device. Chosen for data held in memory (reading it all is cheap).
 - "files": each worker reads only its own TFDS file shards (`tfds.ReadConfig(input_context=
   ...)`, `AutoShardPolicy.OFF`) and shuffles them locally; no worker reads another's
   bytes. Chosen for data too large to cache, when there are at least as many files as
@@ -27,7 +27,7 @@ __all__ = ["CACHE_LIMIT_BYTES", "SHARDING_POLICIES", "DatasetInfo", "load"]
 
 _log = logging.getLogger("tfscale")
 
-CACHE_LIMIT_BYTES = 512 << 20  # A split this small (on disk) is cached in memory.
+CACHE_LIMIT_BYTES = 32 << 20  # A split this small (on disk) is read into memory at load().
 SHARDING_POLICIES = ("auto", "data", "files")
 
 
@@ -97,6 +97,19 @@ def _choose_sharding(policy, source, num_workers, in_memory):
     return "data", f"{reason}: every worker reads all, keeps its slice of each global batch"
 
 
+def _materialize(ds, num_examples):
+    """Reads a small split once, now, into memory (decoded uint8: a quarter of float32).
+
+    Not `Dataset.cache()`, which the first iterator fills lazily while Keras abandons a
+    half-read iterator (it takes one batch to build the model): with TF 2.21 / Keras 3.15.1,
+    `evaluate` on a lazily cached split was seen here to get fewer batches than the split
+    holds, in some runs, so test metrics changed from run to run. Reading it up front is
+    deterministic (and makes the "data" sharding policy cheap).
+    """
+    examples = ds.batch(num_examples).get_single_element()
+    return tf.data.Dataset.from_tensor_slices(examples)
+
+
 def _features(source, as_supervised):
     key = source.feature_key
 
@@ -139,13 +152,14 @@ def load(
         global_batch_size: examples per step over all replicas of all workers.
         strategy: the `tf.distribute.Strategy` the dataset is for (default: the current one).
         shuffle: shuffle examples (and files); default: True for splits named "train*".
-        seed: shuffling seed, the same in every worker.
+        seed: shuffling seed, the same in every worker. As for any tf.data shuffle, the
+            order also depends on TensorFlow's global seed (`tf.random.set_seed`).
         data_dir: folder of prepared TFDS datasets (must exist); the bundled dataset is
             prepared there on first use. Default: TFDS's for "tfds:", `$TFSCALE_DATA_DIR`
             or ~/.cache/tfscale/tensorflow_datasets for "digits".
         shuffle_buffer: shuffle buffer size; default: the whole split when cached, else 10000.
-        cache: keep decoded examples in memory; default: when the split is under 512 MiB
-            on disk (synthetic data is in memory already and is not cached again).
+        cache: read the split into memory (decoded) when `load` is called; default: when
+            it is under 32 MiB on disk (synthetic data is in memory already and is not cached again).
         drop_remainder: drop a last partial batch; default: `shuffle` (training).
         as_supervised: `(features, label)` pairs for `fit`; False gives feature dicts
             (with `id` for the bundled and synthetic datasets).
@@ -175,7 +189,7 @@ def load(
         context = tf.distribute.InputContext(num_workers, worker_index, replicas)
     ds = source.read(shuffle_files=shuffle and policy == "files", seed=seed, input_context=context)
     if cache:
-        ds = ds.cache()  # decoded uint8 examples: a quarter of their float32 size
+        ds = _materialize(ds, source.num_examples)
     if shuffle:
         buffer = shuffle_buffer or (source.num_examples if cache or source.in_memory else 10_000)
         ds = ds.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)

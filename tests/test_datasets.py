@@ -102,6 +102,7 @@ def test_two_workers_read_disjoint_parts_that_cover_every_example_once_per_epoch
             assert not set(a) & set(b)
             assert sorted(np.concatenate([a, b])) == list(range(TRAIN))
     # "data": the two workers' pieces of step s are exactly one device's global batch s.
+    tf.random.set_seed(0)  # as in the workers: the shuffle order depends on the global seed too
     reference = tfscale.datasets.load("digits", "train", 64, data_dir=data_dir, as_supervised=False)
     for e in range(2):
         for s, want in enumerate(_ids(reference)):
@@ -159,7 +160,9 @@ def test_errors_name_the_value_and_the_fix(data_dir, overrides, match):
 
 
 def test_unprepared_tfds_dataset_is_an_error_that_says_how_to_prepare_it(tmp_path):
-    with pytest.raises(DatasetError, match=r"`tfds:mnist` is not prepared .* \(`tfds build mnist --data_dir="):
+    with pytest.raises(
+        DatasetError, match=r"`tfds:mnist` is not prepared .* \(`tfds build mnist --data_dir="
+    ):
         tfscale.datasets.load("tfds:mnist", "train", 64, data_dir=str(tmp_path))
     with pytest.raises(DatasetError, match=r"`tfds:no_such_dataset_xyz` not found"):
         tfscale.datasets.load("tfds:no_such_dataset_xyz", "train", 64, data_dir=str(tmp_path))

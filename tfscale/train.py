@@ -11,6 +11,7 @@ process prints its summary, the last line as `tfscale-train-result: {json}`.
 """
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -208,29 +209,24 @@ def _callbacks(config, strategy, info, steps_per_epoch, is_chief):
     if config.fail_at_step:
         callbacks.append(_fail_at_callback(config.fail_at_step))
     if is_chief and config.model_dir:
-        callbacks.append(keras.callbacks.TensorBoard(os.path.join(config.model_dir, "logs")))
+        if importlib.util.find_spec("tensorboard") is None:
+            _log.warning("no TensorBoard logs: the `tensorboard` package is not installed")
+        else:
+            callbacks.append(keras.callbacks.TensorBoard(os.path.join(config.model_dir, "logs")))
     return callbacks, timer
 
 
 def _backup_callback(config):
-    try:
-        from tfscale.callbacks import BackupAndRestore
-    except ImportError:
-        raise TrainError(
-            f"`backup_dir={config.backup_dir!r}` needs tfscale.callbacks.BackupAndRestore, which this "
-            "installation lacks."
-        ) from None
+    from tfscale.callbacks import BackupAndRestore
+
     return BackupAndRestore(config.backup_dir, save_freq=config.backup_freq)
 
 
 def _fail_at_callback(step):
-    try:
-        from tfscale.callbacks import FailAt
-    except ImportError:
-        raise TrainError(
-            f"`fail_at_step={step}` needs tfscale.callbacks.FailAt, which this installation lacks."
-        ) from None
-    return FailAt(step)
+    from tfscale.callbacks import FailAt
+
+    # SIGKILL: no cleanup at all, the harshest fault a restart has to survive.
+    return FailAt(step, mode="sigkill")
 
 
 def _build_model(config, strategy, info, learning_rate):
@@ -290,6 +286,7 @@ def train(config):
     replicas = strategy.num_replicas_in_sync
     is_chief = _is_chief(config.cluster)
     keras.mixed_precision.set_global_policy(config.mixed_precision)
+    # tf.data combines an op's seed with the global seed: fix both before the datasets exist.
     keras.utils.set_random_seed(config.seed)
     global_batch = _global_batch(config, replicas)
     ds, info = tfscale.datasets.load(
@@ -308,6 +305,9 @@ def train(config):
         ds = ds.repeat()  # Keras keeps one iterator across epochs when steps are given.
     eval_ds, eval_split = _eval_dataset(config, strategy, global_batch)
     scale = replicas if config.lr_scaling == "linear" else 1
+    # Seeded again: preparing a TFDS dataset on first use draws from the global RNGs, and
+    # the initial weights must not depend on whether that happened in this run.
+    keras.utils.set_random_seed(config.seed)
     model = _build_model(config, strategy, info, config.learning_rate * scale)
     callbacks, timer = _callbacks(config, strategy, info, steps, is_chief)
     _log.info(
@@ -383,12 +383,13 @@ def main(argv, fv):
 
 
 def _error_types():
+    from tfscale.callbacks import BackupError
     from tfscale.cluster import ClusterSpecError
     from tfscale.datasets import DatasetError
     from tfscale.models import ModelError
     from tfscale.strategies import StrategyError
 
-    return (TrainError, ClusterSpecError, DatasetError, ModelError, StrategyError)
+    return (TrainError, BackupError, ClusterSpecError, DatasetError, ModelError, StrategyError)
 
 
 def run(argv=None):
@@ -411,7 +412,7 @@ def run(argv=None):
     # TensorFlow's C++ INFO/WARNING lines would bury the one-line errors and the summary.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter("%(message)s"))
     _log.addHandler(handler)
     _log.propagate = False  # absl's root handler would print every line a second time on stderr.
     _log.setLevel(logging.INFO)

@@ -88,6 +88,14 @@ def _run_cluster(config):
     ]
 
 
+def _first_error(tasks):
+    for t in tasks:
+        for line in t["log"].splitlines():
+            if re.match(r"^\w*(Error|Exception)\b", line):
+                return f"{'process' if len(tasks) < 3 else 'task'} exit {t['code']}: {line.strip()[:200]}"
+    return "no error line in the logs"
+
+
 def _trial(run, base, kill_step, kill_task, reference):
     fail = {"step": kill_step, "mode": "sigkill"}
     if kill_task is not None:
@@ -97,7 +105,7 @@ def _trial(run, base, kill_step, kill_task, reference):
     resumed = run(base)
     row = {"kill_step": kill_step, "killed_codes": [t["code"] for t in killed], "last_finished_step": last}
     if not all(t["code"] == 0 and t["result"] for t in resumed):
-        row.update(ok=False, error=resumed[0]["log"].strip().splitlines()[-1:])
+        row.update(ok=False, error=_first_error(resumed + killed))
         return row
     steps_run = resumed[0]["result"]["steps_run"]
     resumed_at = TOTAL_STEPS - steps_run
@@ -137,7 +145,8 @@ def main(argv=None):
         rows.append(row)
         print(
             f"{i:>5} {kill_step:>5} {row.get('resumed_at', '-')!s:>10} {row.get('steps_lost', '-')!s:>5} "
-            f"{row.get('steps_run', '-')!s:>4} {row.get('max_abs_diff', float('nan')):>10.2e}  {row['ok']}",
+            f"{row.get('steps_run', '-')!s:>4} {row.get('max_abs_diff', float('nan')):>10.2e}  {row['ok']}"
+            f"  {row.get('error', '')}",
             flush=True,
         )
     passed = sum(r["ok"] for r in rows)

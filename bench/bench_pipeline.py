@@ -15,7 +15,7 @@ bubble is measured on a profiled step (`PipelinedModel.trace_step`) and compared
 theory (S - 1) / (M + S - 1). Prints a table, writes `bench/results/pipeline.json` and the
 Gantt charts `bench/results/pipeline_timeline_{schedule}_m{M}.png`.
 
-    python bench/bench_pipeline.py [--steps 10] [--width 512] [--layers 8] [--batch 1024]
+    python bench/bench_pipeline.py [--steps 10] [--repeats 3] [--width 512] [--layers 8] [--batch 1024]
 """
 
 import argparse
@@ -50,18 +50,11 @@ def _model(width, depth, seed=0):
     return keras.Sequential(layers)
 
 
-def _steps_per_second(model, x, y, batch, steps):
-    import keras
-
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=False)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True).cache()
-    model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)  # traces the graph
-    best = 0.0
-    for _ in range(3):  # Best of 3: other processes on the machine only ever slow a run down.
-        start = time.perf_counter()
-        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
-        best = max(best, steps / (time.perf_counter() - start))
-    return best
+def _dataset(args):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batch * 4, args.width)).astype("float32")
+    y = rng.normal(size=(args.batch * 4, 10)).astype("float32")
+    return x, y, tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch, drop_remainder=True).repeat()
 
 
 def _configs():
@@ -74,28 +67,45 @@ def _configs():
             yield ("naive split" if m == 1 else "pipeline"), schedule, {"num_microbatches": m}
 
 
-def _run(name, schedule, options, args, data):
-    x, y = data
+def _build(name, schedule, options, args, data):
+    import keras
+
     from tfscale.strategies import PipelineStrategy
-    from tfscale.strategies._timeline import plot
 
     model = _model(args.width, args.layers)
-    if schedule is None:
-        with tf.device("/device:CPU:0"):
-            return {"run": name, "schedule": "-", "M": "-", "steps_per_s": _rate(model, x, y, args)}
-    options = {"num_stages": 2, "schedule": schedule, "balance": "uniform", **options}
-    pipelined = PipelineStrategy(**options).wrap(model)
-    row = {"run": name, "schedule": schedule, "M": options["num_microbatches"]}
-    row["steps_per_s"] = _rate(pipelined, x, y, args)
-    trace = pipelined.trace_step(x[: args.batch], y[: args.batch])
+    row = {"run": name, "schedule": schedule or "-", "M": options.get("num_microbatches", "-")}
+    if schedule is not None:
+        options = {"num_stages": 2, "schedule": schedule, "balance": "uniform", **options}
+        model = PipelineStrategy(**options).wrap(model)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=False)
+    model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)  # Traces the graph.
+    return model, row
+
+
+def _steps_per_second(model, data, steps):
+    start = time.perf_counter()
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+    return steps / (time.perf_counter() - start)
+
+
+def _measure(runs, data, args):
+    # Round robin, best of `repeats`: the other processes on a shared machine only ever slow
+    # a run down, and interleaving spreads their load over all configurations alike.
+    for _ in range(args.repeats):
+        for model, row in runs:
+            rate = _steps_per_second(model, data, args.steps)
+            row["steps_per_s"] = max(row.get("steps_per_s", 0.0), rate)
+
+
+def _trace(model, row, x, y, args):
+    from tfscale.strategies.pipeline import plot_timeline
+
+    if row["schedule"] == "-":
+        return
+    trace = model.trace_step(x[: args.batch], y[: args.batch])
     row.update(bubble=trace.bubble, bubble_theory=trace.theoretical_bubble, live=trace.live_activations)
-    if options["num_stages"] == 2 and pipelined.stages[0].serial:
-        plot(trace, RESULTS / f"pipeline_timeline_{schedule}_m{row['M']}.png")
-    return row
-
-
-def _rate(model, x, y, args):
-    return _steps_per_second(model, x, y, args.batch, args.steps)
+    if row["run"] in ("naive split", "pipeline"):
+        plot_timeline(trace, RESULTS / f"pipeline_timeline_{row['schedule']}_m{row['M']}.png")
 
 
 def _print(rows):
@@ -120,16 +130,19 @@ def _print(rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1024)
     args = parser.parse_args(argv)
     _configure()
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.batch * args.steps, args.width)).astype("float32")
-    y = rng.normal(size=(args.batch * args.steps, 10)).astype("float32")
+    x, y, data = _dataset(args)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    rows = [_run(name, schedule, options, args, (x, y)) for name, schedule, options in _configs()]
+    runs = [_build(name, schedule, options, args, data) for name, schedule, options in _configs()]
+    _measure(runs, data, args)
+    for model, row in runs:
+        _trace(model, row, x, y, args)
+    rows = [row for _, row in runs]
     print(f"load average at the end (1, 5, 15 min): {os.getloadavg()}")
     _print(rows)
     report = {"args": vars(args), "load_average": os.getloadavg(), "rows": rows}

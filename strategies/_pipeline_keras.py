@@ -17,12 +17,12 @@ optimizer's slot variables live. A pipelined `train_step` needs all three:
   (keras-team/keras: slots land on the default device), so momentum and velocity of a
   stage's variables would live on device 0. Wrapping the public method on the instance
   puts each slot on its variable's device.
-- `tf.Operation._add_control_input` (TF 1.x-2.21): makes a stage execute its ops one at a
-  time (`chain_in_creation_order`). Logical CPU devices share one inter-op thread pool, so
-  without it one stage can run two of its ops at once on both cores (e.g. a Dense layer's
-  input and weight gradients), which a GPU stream never does, and "one core per stage"
-  would not hold. `tf.control_dependencies` cannot express it: the ops come from
-  `GradientTape.gradient` all at once.
+- `tf.Operation._add_control_input` (TF 1.x-2.21): makes a stage execute its contractions
+  (matmuls, convolutions) one at a time (`chain_in_creation_order`). Logical CPU devices
+  share one inter-op thread pool, so without it one stage can run two of its ops at once
+  on both cores (e.g. a Dense layer's input and weight gradients), which a GPU stream never
+  does, and "one core per stage" would not hold. `tf.control_dependencies` cannot express
+  it: the ops come from `GradientTape.gradient` all at once.
 """
 
 import tensorflow as tf
@@ -35,7 +35,27 @@ __all__ = [
     "variable_device",
 ]
 
-_UNCHAINED = frozenset(["Const", "NoOp", "Placeholder"])
+# The contractions hold nearly all of a stage's compute. Only they are chained: a control
+# edge on an elementwise op would stop Grappler from fusing it into its contraction
+# (`_FusedMatMul`), which costs more than the rare overlap of two small ops.
+_CONTRACTIONS = frozenset(
+    [
+        "MatMul",
+        "BatchMatMul",
+        "BatchMatMulV2",
+        "BatchMatMulV3",
+        "Einsum",
+        "Conv2D",
+        "Conv2DBackpropInput",
+        "Conv2DBackpropFilter",
+        "Conv3D",
+        "Conv3DBackpropInputV2",
+        "Conv3DBackpropFilterV2",
+        "DepthwiseConv2dNative",
+        "DepthwiseConv2dNativeBackpropInput",
+        "DepthwiseConv2dNativeBackpropFilter",
+    ]
+)
 
 
 def compiled_loss(model):
@@ -68,17 +88,17 @@ def place_slots_with_variables(optimizer):
 
 
 def chain_in_creation_order(operations):
-    """Adds control edges so that `operations` run one after another, in creation order.
+    """Adds control edges so that the contractions among `operations` run one at a time.
 
-    Creation order is a topological order of the graph (an op is created after its inputs)
-    and every added edge points from an earlier to a later op, so no cycle can form.
+    They run in creation order, a topological order of the graph (an op is created after
+    its inputs); every added edge points from an earlier to a later op, so no cycle forms.
 
     Returns:
-        The last op of the chain: when it has run, all of them have.
+        The last contraction (None if there is none).
     """
     previous = None
     for op in operations:
-        if op.type in _UNCHAINED:
+        if op.type not in _CONTRACTIONS:
             continue
         if previous is not None:
             op._add_control_input(previous)

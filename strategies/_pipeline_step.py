@@ -93,7 +93,7 @@ class _Batch:
             self.done[step] = self._forward(step) if step.kind == "F" else self._backward(step)
         if serial:
             last = _pipeline_keras.chain_in_creation_order(graph.get_operations()[first:])
-            self.done[step]["gate"] = [last]  # The chain's last op: the whole step is done.
+            self.done[step]["gate"] += [] if last is None else [last]
 
     def _forward(self, step):
         stage, last = self.stages[step.stage], step.stage == self.num_stages - 1

@@ -23,11 +23,12 @@ import tensorflow as tf
 from tfscale.datasets import _sources
 from tfscale.datasets._errors import DatasetError
 
-__all__ = ["CACHE_LIMIT_BYTES", "SHARDING_POLICIES", "DatasetInfo", "load"]
+__all__ = ["CACHE_LIMIT_BYTES", "FLOAT_LIMIT_BYTES", "SHARDING_POLICIES", "DatasetInfo", "load"]
 
 _log = logging.getLogger("tfscale")
 
 CACHE_LIMIT_BYTES = 32 << 20  # A split this small (on disk) is read into memory at load().
+FLOAT_LIMIT_BYTES = 1 << 30  # In memory, uint8 images become float32 once, if they stay under this.
 SHARDING_POLICIES = ("auto", "data", "files")
 
 
@@ -97,28 +98,40 @@ def _choose_sharding(policy, source, num_workers, in_memory):
     return "data", f"{reason}: every worker reads all, keeps its slice of each global batch"
 
 
-def _materialize(ds, num_examples):
-    """Reads a small split once, now, into memory (decoded uint8: a quarter of float32).
+def _to_float(x):
+    return tf.cast(x, tf.float32) / 255.0 if x.dtype == tf.uint8 else x
+
+
+def _features(source, as_supervised):
+    """Selects (and converts) the features of a batch of example dicts."""
+    key = source.feature_key
+    if as_supervised:
+        return lambda ex: (_to_float(ex[key]), ex["label"])
+    return lambda ex: {**ex, key: _to_float(ex[key])}
+
+
+def _materialize(ds, source, as_supervised):
+    """Reads a small split once, now, into memory, in the form `fit` takes it.
 
     Not `Dataset.cache()`, which the first iterator fills lazily while Keras abandons a
     half-read iterator (it takes one batch to build the model): with TF 2.21 / Keras 3.15.1,
     `evaluate` on a lazily cached split was seen here to get fewer batches than the split
     holds, in some runs, so test metrics changed from run to run. Reading it up front is
-    deterministic (and makes the "data" sharding policy cheap).
+    deterministic, makes the "data" sharding policy cheap, and lets each epoch be just
+    shuffle + batch of ready tensors. uint8 images become float32 here (4x the memory)
+    unless that would pass `FLOAT_LIMIT_BYTES`; then they are converted per batch.
+
+    Returns:
+        The dataset, and whether batches still need `_features`.
     """
-    examples = ds.batch(num_examples).get_single_element()
-    return tf.data.Dataset.from_tensor_slices(examples)
-
-
-def _features(source, as_supervised):
-    key = source.feature_key
-
-    def to_float(x):
-        return tf.cast(x, tf.float32) / 255.0 if x.dtype == tf.uint8 else x
-
+    examples = ds.batch(source.num_examples).get_single_element()
+    x = examples[source.feature_key]
+    if x.dtype == tf.uint8 and x.shape.num_elements() * 4 > FLOAT_LIMIT_BYTES:
+        return tf.data.Dataset.from_tensor_slices(examples), True
+    x = _to_float(x)
     if as_supervised:
-        return lambda ex: (to_float(ex[key]), ex["label"])
-    return lambda ex: {**ex, key: to_float(ex[key])}
+        return tf.data.Dataset.from_tensor_slices((x, examples["label"])), False
+    return tf.data.Dataset.from_tensor_slices({**examples, source.feature_key: x}), False
 
 
 def load(
@@ -188,14 +201,16 @@ def load(
     if policy == "files":
         context = tf.distribute.InputContext(num_workers, worker_index, replicas)
     ds = source.read(shuffle_files=shuffle and policy == "files", seed=seed, input_context=context)
-    if cache:
-        ds = _materialize(ds, source.num_examples)
+    convert = True
+    if cache or source.in_memory:
+        ds, convert = _materialize(ds, source, as_supervised)
     if shuffle:
         buffer = shuffle_buffer or (source.num_examples if cache or source.in_memory else 10_000)
         ds = ds.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
     ds = ds.batch(global_batch_size, drop_remainder=drop_remainder)
-    # Converted per batch, not per example: one vectorized op instead of thousands of small ones.
-    ds = ds.map(_features(source, as_supervised), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    if convert:
+        # Per batch, not per example: one vectorized op instead of thousands of small ones.
+        ds = ds.map(_features(source, as_supervised), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     ds = ds.prefetch(tf.data.AUTOTUNE)
     options = tf.data.Options()
     options.deterministic = True

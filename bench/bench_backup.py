@@ -76,7 +76,8 @@ def _fit_once(kind, save_freq, steps_per_epoch, workdir):
     )
     model.compile(keras.optimizers.Adam(1e-3), "mse")
     model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)  # trace once, outside the timing
-    callbacks = _callbacks(kind, save_freq, os.path.join(workdir, f"{kind}-{save_freq}"))
+    # A fresh directory per fit: with `delete_checkpoint=False` a reused one would resume a finished run.
+    callbacks = _callbacks(kind, save_freq, os.path.join(tempfile.mkdtemp(dir=workdir), "backup"))
     start = time.perf_counter()
     model.fit(x, y, batch_size=batch, epochs=2, callbacks=callbacks, verbose=0)
     total = time.perf_counter() - start

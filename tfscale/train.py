@@ -138,8 +138,6 @@ def _make_strategy(config):
             rpc_layer="grpc",
         )
         return "multi_worker", tfscale.strategies.get("multi_worker", cluster_resolver=resolver, **options)
-    if name not in ("auto", "multi_worker"):
-        options.pop("communication", None)  # Set by default-less flag only for collectives.
     return name, tfscale.strategies.get(name, **options)
 
 
@@ -166,6 +164,26 @@ def _eval_dataset(config, strategy, global_batch):
             if not str(e).startswith("Unknown split"):
                 raise
     return None, None
+
+
+def _datasets(config, strategy, global_batch):
+    """(train dataset, its DatasetInfo, evaluation dataset or None, its split name)."""
+    import tfscale.datasets
+
+    ds, info = tfscale.datasets.load(
+        config.dataset,
+        "train",
+        global_batch,
+        strategy,
+        seed=config.seed,
+        data_dir=config.data_dir,
+        shuffle_buffer=config.shuffle_buffer,
+        sharding=config.sharding,
+        with_info=True,
+    )
+    if config.steps_per_epoch:
+        ds = ds.repeat()  # Keras keeps one iterator across epochs when steps are given.
+    return (ds, info, *_eval_dataset(config, strategy, global_batch))
 
 
 def _optimizer(config, learning_rate):
@@ -279,8 +297,6 @@ def train(config):
     """
     import keras
 
-    import tfscale.datasets
-
     name, strategy = _make_strategy(config)
     name = f"{name} ({type(strategy).__name__})"
     replicas = strategy.num_replicas_in_sync
@@ -289,21 +305,8 @@ def train(config):
     # tf.data combines an op's seed with the global seed: fix both before the datasets exist.
     keras.utils.set_random_seed(config.seed)
     global_batch = _global_batch(config, replicas)
-    ds, info = tfscale.datasets.load(
-        config.dataset,
-        "train",
-        global_batch,
-        strategy,
-        seed=config.seed,
-        data_dir=config.data_dir,
-        shuffle_buffer=config.shuffle_buffer,
-        sharding=config.sharding,
-        with_info=True,
-    )
+    ds, info, eval_ds, eval_split = _datasets(config, strategy, global_batch)
     steps = config.steps_per_epoch or info.steps_per_epoch
-    if config.steps_per_epoch:
-        ds = ds.repeat()  # Keras keeps one iterator across epochs when steps are given.
-    eval_ds, eval_split = _eval_dataset(config, strategy, global_batch)
     scale = replicas if config.lr_scaling == "linear" else 1
     # Seeded again: preparing a TFDS dataset on first use draws from the global RNGs, and
     # the initial weights must not depend on whether that happened in this run.
@@ -330,9 +333,8 @@ def train(config):
     seconds = time.perf_counter() - start
     evaluation = {}
     if eval_ds is not None:
-        evaluation = {
-            f"{eval_split}_{k}": v for k, v in model.evaluate(eval_ds, return_dict=True, verbose=0).items()
-        }
+        logs = model.evaluate(eval_ds, return_dict=True, verbose=0)
+        evaluation = {f"{eval_split}_{k}": v for k, v in logs.items()}
     cluster = config.cluster
     fields = dict(
         strategy=name,

@@ -275,3 +275,21 @@ def test_user_model_factory_by_module_path():
     assert model.name == "mlp"
     with pytest.raises(models.ModelError, match=r"Cannot load model factory\. Received: model='nosuch:fn'"):
         models.build("nosuch:fn", (4,), 3)
+
+
+def test_linear_scaling_with_warmup_reaches_lr_times_replicas(data_dir):
+    config = TrainConfig(
+        strategy="mirrored",
+        strategy_options={"cpu_replicas": 2},
+        epochs=2,
+        global_batch_size=64,
+        learning_rate=0.01,
+        optimizer="sgd",
+        lr_scaling="linear",
+        lr_warmup_epochs=2,
+        data_dir=data_dir,
+        verbose=0,
+    )
+    history = train(config).history
+    # Ramp over 2 x 24 steps from 0.01 to 0.02: halfway (+24/48) after epoch 1, full after epoch 2.
+    np.testing.assert_allclose(history["learning_rate"], [0.01 + 0.01 * 24 / 48, 0.02], rtol=1e-5)

@@ -15,7 +15,7 @@ bubble is measured on a profiled step (`PipelinedModel.trace_step`) and compared
 theory (S - 1) / (M + S - 1). Prints a table, writes `bench/results/pipeline.json` and the
 Gantt charts `bench/results/pipeline_timeline_{schedule}_m{M}.png`.
 
-    python bench/bench_pipeline.py [--steps 10] [--repeats 3] [--width 512] [--layers 8] [--batch 1024]
+    python bench/bench_pipeline.py [--steps 10] [--repeats 3] [--width 512] [--layers 8] [--batch 2048]
 """
 
 import argparse
@@ -133,7 +133,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=2048)
     args = parser.parse_args(argv)
     _configure()
     x, y, data = _dataset(args)

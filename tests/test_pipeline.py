@@ -6,6 +6,10 @@ in another order). Models and data are tiny, because each (S, M, schedule) is a 
 its own to trace.
 """
 
+import re
+import shutil
+import tempfile
+
 import keras
 import numpy as np
 import pytest
@@ -100,7 +104,8 @@ def test_training_equals_unsplit_model(kind, num_stages, num_microbatches, sched
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-def test_recompute_and_sample_weights_train_like_unsplit_model():
+@pytest.mark.parametrize("serialize_stages", [None, False])
+def test_recompute_and_sample_weights_train_like_unsplit_model(serialize_stages):
     x, y = _data("mlp")
     sample_weight = np.linspace(0.2, 2.0, SAMPLES).astype("float32")
     loss = keras.losses.MeanSquaredError(reduction="sum")
@@ -108,12 +113,35 @@ def test_recompute_and_sample_weights_train_like_unsplit_model():
         reference = _model("mlp")
         reference.compile(optimizer=keras.optimizers.SGD(0.002), loss=loss)
         expected = _fit(reference, x, y, sample_weight=sample_weight)["loss"]
-    pipelined = _wrap("mlp", num_stages=2, num_microbatches=4, recompute=True)
+    pipelined = _wrap(
+        "mlp", num_stages=2, num_microbatches=4, recompute=True, serialize_stages=serialize_stages
+    )
     pipelined.compile(optimizer=keras.optimizers.SGD(0.002), loss=loss)
     got = _fit(pipelined, x, y, sample_weight=sample_weight)["loss"]
     np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
     for a, b in zip(pipelined.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def _forward_ops_in_backward(pipelined, x, y):
+    """How many forward ops (not gradients) a profiled step ran inside backward groups."""
+    pipelined.train_on_batch(x, y)
+    logdir = tempfile.mkdtemp()
+    tf.profiler.experimental.start(logdir)
+    pipelined.train_on_batch(x, y)
+    tf.profiler.experimental.stop()
+    names = [name for name, _, _ in _timeline._xplane_events(logdir)]
+    shutil.rmtree(logdir)
+    forward = re.compile(r"^pipeline/s\d+_B\d+/.*:(_FusedMatMul|MatMul|Relu|Tanh)$")
+    return sum(1 for name in names if forward.match(name))
+
+
+def test_recompute_reruns_each_stage_forward_in_its_backward():
+    x, y = _data("mlp")
+    kept = _compile(_wrap("mlp", num_stages=2, num_microbatches=2))
+    recomputed = _compile(_wrap("mlp", num_stages=2, num_microbatches=2, recompute=True))
+    assert _forward_ops_in_backward(kept, x, y) == 0
+    assert _forward_ops_in_backward(recomputed, x, y) > 0
 
 
 def test_variables_and_optimizer_slots_live_on_their_stage_device():

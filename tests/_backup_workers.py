@@ -28,11 +28,15 @@ def make_data(dataset, batch_size, samples=NUM_SAMPLES):
     y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(samples, 1))).astype("float32")
     if dataset == "array":
         return {"x": x, "y": y, "batch_size": batch_size}
+    if dataset == "tfdata_repeat":
+        # One endless iterator that `fit` keeps across epochs (`steps_per_epoch` given).
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(samples, seed=7).repeat()
+        return {"x": ds.batch(batch_size), "steps_per_epoch": samples // batch_size, "shuffle": False}
     if dataset == "tfdata_reshuffle":
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
             NUM_SAMPLES, seed=7, reshuffle_each_iteration=True
         )
-        return {"x": ds.batch(batch_size)}
+        return {"x": ds.batch(batch_size), "shuffle": False}
     raise ValueError(f"unknown dataset {dataset!r}")
 
 

@@ -64,6 +64,7 @@ def reference(tmp_path_factory):
         ("array", 1, 16),  # last step of epoch 0 (backup at 15)
         ("array", 1, 22),  # epoch 1, backup at 20 = step 4 of epoch 1
         ("tfdata_reshuffle", 1, 38),  # reshuffles every epoch: the resumed epoch must too
+        ("tfdata_repeat", 1, 36),  # steps_per_epoch: one iterator across epochs, 35 batches in
         ("array", 2, 33),  # steps_per_execution=2: backups at 6, 16, 26, ... (every 2nd execution)
     ],
 )

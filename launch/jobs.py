@@ -33,9 +33,17 @@ def compat_env(base):
     return {"PYTHONPATH": keras_compat_dir() + (os.pathsep + current if current else "")}
 
 
-def task_env(tf_config, keras_compat, base):
-    """The variables a task gets on top of its environment `base`: TF_CONFIG, maybe PYTHONPATH."""
-    env = {"TF_CONFIG": tf_config}
+RESTART_COUNT_VAR = "TFSCALE_RESTART_COUNT"
+
+
+def task_env(tf_config, keras_compat, base, restart_count=0):
+    """The variables a task gets on top of its environment `base`.
+
+    TF_CONFIG; `TFSCALE_RESTART_COUNT` (0 in the first attempt, like torchrun's
+    TORCHELASTIC_RESTART_COUNT), so a task can tell a restart from a fresh start;
+    and the PYTHONPATH of the `--keras_compat` shim when asked.
+    """
+    env = {"TF_CONFIG": tf_config, RESTART_COUNT_VAR: str(restart_count)}
     if keras_compat:
         env.update(compat_env(base))
     return env
@@ -124,7 +132,6 @@ class LocalJob:
         self.spec = None
 
     def __call__(self, attempt):
-        del attempt
         chief, num_workers, num_ps, evaluator = self._counts
         count = chief + num_workers + num_ps + evaluator
         if self._ports is None or not _procs.ports_free(self._ports, _LOCAL_HOST):
@@ -139,7 +146,8 @@ class LocalJob:
         tasks = []
         for task_type, index, _ in self.spec.tasks():
             env = dict(self._environ)
-            env.update(task_env(self.spec.to_json(task_type, index), self._keras_compat, self._environ))
+            config = self.spec.to_json(task_type, index)
+            env.update(task_env(config, self._keras_compat, self._environ, attempt - 1))
             tasks.append(TaskSpec(f"{task_type}:{index}", tuple(self.command), env, _role(task_type, num_ps)))
         return tasks
 
@@ -202,7 +210,6 @@ class HostsJob:
         self._cwd = cwd or os.getcwd()
 
     def __call__(self, attempt):
-        del attempt
         has_ps = bool(self.spec.cluster.get("ps"))
         tasks = []
         for task_type, index, address in self.spec.tasks():
@@ -211,7 +218,9 @@ class HostsJob:
                 self._remote_cmd,
                 host=host,
                 host_index=self._host_index[host],
-                env=task_env(self.spec.to_json(task_type, index), self._keras_compat, self._environ),
+                env=task_env(
+                    self.spec.to_json(task_type, index), self._keras_compat, self._environ, attempt - 1
+                ),
                 command=self.command,
                 cwd=self._cwd,
             )
@@ -254,8 +263,7 @@ class SlurmJob:
         return [self.srun, "--kill-on-bad-exit=1", "--label", *bootstrap, *self.command]
 
     def __call__(self, attempt):
-        del attempt
-        env = dict(self._environ)
+        env = dict(self._environ, **{RESTART_COUNT_VAR: str(attempt - 1)})
         if self._keras_compat:
             env.update(compat_env(self._environ))
         return [TaskSpec("srun", tuple(self.argv()), env, "completes")]

@@ -136,7 +136,11 @@ def train(
     # The counter goes first: it reports a finished step even when the backup callback then exits.
     callbacks = [counter, backup]
     if fail:
-        callbacks.append(tfscale.callbacks.FailAt(fail["step"], fail["mode"], task=fail.get("task")))
+        callbacks.append(
+            tfscale.callbacks.FailAt(
+                fail["step"], fail["mode"], task=fail.get("task"), restart_count=fail.get("restart_count")
+            )
+        )
     model.fit(**make_data(dataset, batch_size, samples), epochs=epochs, callbacks=callbacks, verbose=0)
     return {
         "weights": [v.value.numpy() for v in model.weights],

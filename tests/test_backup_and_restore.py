@@ -80,6 +80,20 @@ def test_resumes_mid_epoch_exactly(tmp_path, reference, dataset, steps_per_execu
     assert max_diff(resumed, ref) <= 1e-6
 
 
+def test_fault_between_backups_fires_only_in_its_attempt(tmp_path, reference):
+    """`restart_count=0`: the restarted attempt replays step 22 (backup at 20) without failing."""
+    fail = {"step": 22, "mode": "raise", "restart_count": 0}
+    backup_dir = str(tmp_path / "b")
+    with mock.patch.dict(os.environ, {"TFSCALE_RESTART_COUNT": "0"}):
+        with pytest.raises(tfscale.callbacks.InjectedFault):
+            workers.train(backup_dir, fail=fail)
+    with mock.patch.dict(os.environ, {"TFSCALE_RESTART_COUNT": "1"}):
+        resumed = workers.train(backup_dir, fail=fail)
+    assert resumed["restored"]["global_step"] == 20
+    assert resumed["steps_run"] == TOTAL_STEPS - 20
+    assert max_diff(resumed, reference()) <= 1e-6
+
+
 def test_resumes_exactly_under_mirrored(tmp_path, reference):
     ref = reference(strategy="mirrored")
     resumed = interrupt_then_resume(str(tmp_path / "b"), 27, strategy="mirrored")
@@ -287,6 +301,7 @@ def test_bad_arguments(kwargs, match):
         ({"step": 0}, "`step`. Received: step=0"),
         ({"step": 3, "mode": "explode"}, "`mode`"),
         ({"step": 3, "task": "w1"}, "`task`"),
+        ({"step": 3, "restart_count": -1}, "`restart_count`. Received: restart_count=-1"),
     ],
 )
 def test_fail_at_bad_arguments(kwargs, match):

@@ -51,6 +51,7 @@ def test_each_task_gets_its_tf_config_and_nothing_else_changes(marker):
         (line,) = _lines(run.stdout, name)
         env = json.loads(line)
         tf_config = env.pop("TF_CONFIG")
+        assert env.pop("TFSCALE_RESTART_COUNT") == "0"
         assert env == launcher_env
         # TensorFlow's own resolver reads the task and cluster we meant.
         with mock.patch.dict(os.environ, {"TF_CONFIG": tf_config}):
@@ -124,6 +125,17 @@ def test_restarts_until_the_job_succeeds(marker, tmp_path):
     assert "restarting the job (restart 2 of 3)" in run.stderr
     assert "job succeeded in attempt 3 of 4" in run.stderr
     assert count.read_text().count("x") == 6
+
+
+def test_tasks_are_told_which_restart_they_are_in(marker):
+    # The sleep lets both tasks print before the first failure stops the attempt.
+    script = 'echo "restart=$TFSCALE_RESTART_COUNT"; sleep 0.5; [ "$TFSCALE_RESTART_COUNT" = 2 ]'
+    run = run_launcher(
+        ["--num_workers", "2", "--max_restarts", "2", "--restart_backoff", "0", "--", "sh", "-c", script],
+        marker,
+    )
+    assert run.returncode == 0, run.stderr
+    assert _lines(run.stdout, "worker:1") == ["restart=0", "restart=1", "restart=2"]
 
 
 def test_job_failing_every_attempt_stops_after_max_restarts(marker, tmp_path):

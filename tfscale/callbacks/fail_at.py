@@ -36,12 +36,16 @@ class FailAt(keras.callbacks.Callback):
             no cleanup, like an OOM kill or a lost machine) or `"sigterm"` (the process
             sends itself SIGTERM, like a preemption notice).
         task: only fail in this task of a cluster, e.g. `("worker", 1)`; None: any.
+        restart_count: only fail in this attempt of a `tfscale-launch` job, read from
+            `TFSCALE_RESTART_COUNT` (0: the first attempt; unset counts as 0). With it a
+            fault can sit between two backups: the restarted run replays that step
+            without failing again. None: every attempt that reaches `step`.
 
     Raises:
         FailAtError: an argument is invalid.
     """
 
-    def __init__(self, step, mode="raise", *, task=None):
+    def __init__(self, step, mode="raise", *, task=None, restart_count=None):
         super().__init__()
         if type(step) is not int or step < 1:
             raise FailAtError(
@@ -56,11 +60,20 @@ class FailAt(keras.callbacks.Callback):
                 f"Invalid value for argument `task`. Received: task={task!r}. "
                 "Expected None or (task_type, index)."
             )
+        if restart_count is not None and (type(restart_count) is not int or restart_count < 0):
+            raise FailAtError(
+                f"Invalid value for argument `restart_count`. Received: restart_count={restart_count!r}. "
+                "Expected None or an integer >= 0."
+            )
         self.step, self.mode, self.task = step, mode, tuple(task) if task else None
+        self.restart_count = restart_count
         self.fired = False
         self._before = 0
 
     def _here(self):
+        if self.restart_count is not None:
+            if int(os.environ.get("TFSCALE_RESTART_COUNT", "0")) != self.restart_count:
+                return False
         if self.task is None:
             return True
         role = _backup_cluster.role(self.model.distribute_strategy)

@@ -225,7 +225,10 @@ def get(name="auto", **options):
             `cpu_replicas=2` to replicate over 2 logical CPU devices.
 
     Returns:
-        A `tf.distribute.Strategy`.
+        A `tf.distribute.Strategy` for the built-in names; a
+        `tfscale.strategies.PipelineStrategy` or `ModelSplitStrategy` (plain objects
+        whose `wrap`/`split` turn a Keras model into a pipelined or split one) for
+        "pipeline" and "model_split".
 
     Raises:
         StrategyError: unknown name, unknown option, or an option value the

@@ -9,7 +9,7 @@ import time
 
 def report_task():
     config = json.loads(os.environ["TF_CONFIG"])
-    return {"config": config, "marker": os.environ.get("TFSCALE_TEST_MARKER")}
+    return {"config": config, "environ": dict(os.environ)}
 
 
 def hang_with_grandchild():

@@ -1,12 +1,11 @@
 """tfscale.launch.run_local_cluster: real processes, TF_CONFIG per task, no orphans."""
 
-import os
 import sys
 import time
-import uuid
 
 import _cluster_helper_targets as targets
 import pytest
+from _launch_util import MARKER, leftovers, new_marker
 
 from tfscale.launch import ClusterRunError, run_local_cluster
 
@@ -14,28 +13,13 @@ from tfscale.launch import ClusterRunError, run_local_cluster
 @pytest.fixture
 def marker():
     """A unique environment marker to find every process a test started."""
-    value = uuid.uuid4().hex
+    value = new_marker()
     yield value
-    assert _processes_with(value) == [], "processes outlived the cluster"
-
-
-def _processes_with(value):
-    needle = f"TFSCALE_TEST_MARKER={value}".encode()
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
+    assert leftovers(value) == [], "processes outlived the cluster"
 
 
 def test_each_task_gets_its_own_tf_config_of_one_cluster(marker):
-    results = run_local_cluster(
-        targets.report_task, 3, chief=True, env={"TFSCALE_TEST_MARKER": marker}, timeout=60
-    )
+    results = run_local_cluster(targets.report_task, 3, chief=True, env={MARKER: marker}, timeout=60)
     assert [(r.task_type, r.index) for r in results] == [
         ("chief", 0),
         ("worker", 0),
@@ -49,13 +33,13 @@ def test_each_task_gets_its_own_tf_config_of_one_cluster(marker):
     ]
     addresses = configs[0]["cluster"]["chief"] + configs[0]["cluster"]["worker"]
     assert len(set(addresses)) == 4 and all(a.startswith("127.0.0.1:") for a in addresses)
-    assert all(r.value["marker"] == marker for r in results)  # the caller's environment is passed on
+    assert all(r.value["environ"][MARKER] == marker for r in results)  # the caller's environment is passed on
 
 
 def test_timeout_kills_every_task_and_its_children(marker):
     start = time.monotonic()
     with pytest.raises(ClusterRunError, match="timed out after 3s") as raised:
-        run_local_cluster(targets.hang_with_grandchild, 2, env={"TFSCALE_TEST_MARKER": marker}, timeout=3)
+        run_local_cluster(targets.hang_with_grandchild, 2, env={MARKER: marker}, timeout=3)
     assert time.monotonic() - start < 20
     assert all(r.returncode < 0 for r in raised.value.results)  # ended by a signal
 
@@ -63,9 +47,7 @@ def test_timeout_kills_every_task_and_its_children(marker):
 def test_a_failed_task_stops_its_hanging_peers_and_reports_its_traceback(marker):
     start = time.monotonic()
     with pytest.raises(ClusterRunError, match="worker one gives up") as raised:
-        run_local_cluster(
-            targets.fail_on_worker_one, 2, env={"TFSCALE_TEST_MARKER": marker}, timeout=120, failure_grace=1
-        )
+        run_local_cluster(targets.fail_on_worker_one, 2, env={MARKER: marker}, timeout=120, failure_grace=1)
     assert time.monotonic() - start < 30  # not the 120 s timeout
     worker0, worker1 = raised.value.results
     assert worker1.returncode == 1 and worker0.returncode < 0
@@ -76,9 +58,7 @@ def test_command_targets_run_as_given(marker, tmp_path):
     script.write_text(
         "import json, os; print('task', json.loads(os.environ['TF_CONFIG'])['task']['index'])\n"
     )
-    results = run_local_cluster(
-        [sys.executable, str(script)], 2, env={"TFSCALE_TEST_MARKER": marker}, timeout=60
-    )
+    results = run_local_cluster([sys.executable, str(script)], 2, env={MARKER: marker}, timeout=60)
     assert [r.log.strip() for r in results] == ["task 0", "task 1"]
 
 

@@ -50,19 +50,7 @@ def _signal_group(proc, sig):
 
 def stop(procs, grace_seconds=5.0):
     """Terminates the process groups of `procs`, then kills what is left after the grace period."""
-    for p in procs:
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_seconds
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        # SIGKILL the whole group even when the leader has exited: its children may not have.
-        _signal_group(p, signal.SIGKILL)
-        if p.poll() is None:
-            p.wait()
+    stop_with_signal(procs, signal.SIGTERM, grace_seconds)
 
 
 def describe_exit(returncode):
@@ -78,7 +66,7 @@ def describe_exit(returncode):
 
 
 def stop_with_signal(procs, sig, grace_seconds=5.0):
-    """Like `stop`, but the first signal sent to every process group is `sig` (e.g. a forwarded SIGINT)."""
+    """Sends `sig` to the process groups of `procs` (e.g. a forwarded SIGINT); SIGKILL after the grace."""
     for p in procs:
         _signal_group(p, sig)
     deadline = time.monotonic() + grace_seconds
@@ -87,7 +75,11 @@ def stop_with_signal(procs, sig, grace_seconds=5.0):
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    stop(procs, grace_seconds=0.0)
+    for p in procs:
+        # SIGKILL the whole group even when the leader has exited: its children may not have.
+        _signal_group(p, signal.SIGKILL)
+        if p.poll() is None:
+            p.wait()
 
 
 def ports_free(ports, host="127.0.0.1"):

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfscale.cluster import ClusterSpec
 from tfscale.compat import collective_keys, keras_multi_worker
-from tfscale.strategies._devices import cpu_device_names, split_cpu
+from tfscale.strategies._devices import cpu_device_names, parse_device, split_cpu
 from tfscale.strategies._errors import StrategyError
 
 __all__ = ["NAMES", "get"]
@@ -51,16 +51,7 @@ def _default():
 def _one_device(*, device=None):
     if device is None:
         device = "/gpu:0" if _num_gpus() else "/cpu:0"
-    try:
-        spec = tf.DeviceSpec.from_string(device)
-    except (ValueError, TypeError):
-        spec = None
-    if spec is None or spec.device_type is None:
-        raise StrategyError(
-            f"Invalid value for argument `device`. Received: device={device!r}. "
-            "Expected a device name such as '/cpu:0' or '/gpu:1'."
-        )
-    return tf.distribute.OneDeviceStrategy(device)
+    return tf.distribute.OneDeviceStrategy(parse_device(device))
 
 
 def _mirrored(*, devices=None, num_gpus=None, cross_device_ops=None, cpu_replicas=None):

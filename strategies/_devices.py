@@ -53,3 +53,17 @@ def split_cpu(num_devices):
 def cpu_device_names(num_devices):
     """Returns the local logical CPU device names `/device:CPU:0..num_devices-1`."""
     return [f"/device:CPU:{i}" for i in range(num_devices)]
+
+
+def parse_device(device, argument="device"):
+    """Canonical '/device:TYPE:i' for a device name, or `StrategyError` naming `argument`."""
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except (ValueError, TypeError):
+        spec = None
+    if spec is None or spec.device_type is None:
+        raise StrategyError(
+            f"Invalid value for argument `{argument}`. Received: {argument}={device!r}. "
+            "Expected a device name such as '/cpu:0' or '/gpu:1'."
+        )
+    return f"/device:{spec.device_type.upper()}:{spec.device_index or 0}"

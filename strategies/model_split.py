@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 from tfscale.strategies import _partition
-from tfscale.strategies._devices import split_cpu
+from tfscale.strategies._devices import parse_device, split_cpu
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._placement import device_of
 from tfscale.strategies._split_models import SplitSequential
@@ -184,16 +184,7 @@ def _custom_objects(model):
 
 
 def _normalize(device):
-    try:
-        spec = tf.DeviceSpec.from_string(device)
-    except (ValueError, TypeError):
-        spec = None
-    if spec is None or spec.device_type is None:
-        raise StrategyError(
-            f"Invalid value for argument `devices`. Received: {device!r}. Expected device "
-            "names such as '/gpu:0' or '/device:CPU:1'."
-        )
-    return f"/device:{spec.device_type.upper()}:{spec.device_index or 0}"
+    return parse_device(device, "devices")
 
 
 def _resolve_devices(devices, num_devices, tensor_parallel):

@@ -105,12 +105,6 @@ def _closed_port():
         ("mirrored", {"cpu_replicas": 0}, r"cpu_replicas=0\. Expected a positive integer"),
         (
             "mirrored",
-            {"cpu_replicas": 8},
-            r"`cpu_replicas=8` needs 8 logical CPU devices, but TensorFlow is "
-            r"already initialized with 4",
-        ),
-        (
-            "mirrored",
             {"cpu_replicas": 2, "devices": ["/cpu:0"]},
             r"`devices`, `cpu_replicas` of strategy "
             r"'mirrored' exclude each other",
@@ -144,6 +138,15 @@ def test_unreachable_tpu_address_fails_fast_naming_it():
     address = f"grpc://127.0.0.1:{_closed_port()}"
     with pytest.raises(StrategyError, match=f"No TPU reachable at `tpu='{address}'`"):
         get("tpu", tpu=address)
+
+
+def test_cpu_replicas_beyond_an_initialized_split_says_it_is_too_late():
+    tf.config.list_logical_devices("CPU")  # starts the runtime with conftest's 4 devices
+    with pytest.raises(
+        StrategyError,
+        match=r"`cpu_replicas=8` needs 8 logical CPU devices, but TensorFlow is already initialized with 4",
+    ):
+        get("mirrored", cpu_replicas=8)
 
 
 def test_split_cpu_reuses_a_larger_existing_split():

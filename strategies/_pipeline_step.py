@@ -75,6 +75,7 @@ class _Batch:
             self.waits.update(_schedule.control_dependencies(stage_order, strict=stage.serial))
         self.done = {}
         self.gradients = [None] * self.num_stages
+        self.transposes = {}
 
     def emit(self, step):
         if step in self.done:
@@ -119,7 +120,11 @@ class _Batch:
         variables = self.stages[s].trainable_variables
         needs_dx = s > 0 and _differentiable(forward["x"])
         sources = ([forward["x"]] if needs_dx else []) + variables
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        first = 0 if graph is None else len(graph.get_operations())
         grads = forward["tape"].gradient(target, sources, output_gradients=upstream)
+        if graph is not None:
+            _pipeline_keras.pretranspose_matmul_weights(graph.get_operations()[first:], self.transposes)
         dx = grads[0] if needs_dx else None
         grads = [
             tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)

@@ -67,3 +67,33 @@ def parse_device(device, argument="device"):
             "Expected a device name such as '/cpu:0' or '/gpu:1'."
         )
     return f"/device:{spec.device_type.upper()}:{spec.device_index or 0}"
+
+
+def first_devices(count, argument):
+    """The first `count` GPUs if any GPU is visible, else `count` logical CPU devices.
+
+    Args:
+        count: how many devices (stages, parts) are needed.
+        argument: the user's argument that asked for them, named in errors.
+
+    Raises:
+        StrategyError: too few GPUs, or TensorFlow already started with fewer CPU devices.
+    """
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        if count > len(gpus):
+            raise StrategyError(
+                f"Invalid value for argument `{argument}`. Received: {argument}={count}. "
+                f"Expected at most the {len(gpus)} GPU(s) visible here."
+            )
+        return [d.name for d in gpus[:count]]
+    try:
+        return split_cpu(count)
+    except StrategyError:
+        have = len(tf.config.list_logical_devices("CPU"))
+        raise StrategyError(
+            f"Invalid value for argument `{argument}`. Received: {argument}={count}, more than the "
+            f"{have} logical CPU device(s) here (TensorFlow has started, so the host CPU cannot be "
+            f"split further). Expected at most {have}, or call tfscale.strategies.split_cpu({count}) "
+            "before the first TensorFlow op."
+        ) from None

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 from tfscale.strategies import _partition
-from tfscale.strategies._devices import parse_device, split_cpu
+from tfscale.strategies._devices import first_devices, parse_device
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._placement import device_of
 from tfscale.strategies._split_models import SplitSequential
@@ -219,24 +219,7 @@ def _first_devices(num_devices):
             f"Invalid value for argument `num_devices`. Received: num_devices={num_devices!r}. "
             "Expected a positive integer (or pass `devices`)."
         )
-    gpus = tf.config.list_logical_devices("GPU")
-    if gpus:
-        if num_devices > len(gpus):
-            raise StrategyError(
-                f"Invalid value for argument `num_devices`. Received: num_devices={num_devices}. "
-                f"Expected at most the {len(gpus)} GPU(s) visible here."
-            )
-        return [d.name for d in gpus[:num_devices]]
-    try:
-        return split_cpu(num_devices)
-    except StrategyError:
-        have = len(tf.config.list_logical_devices("CPU"))
-        raise StrategyError(
-            f"Invalid value for argument `num_devices`. Received: num_devices={num_devices}, more "
-            f"than the {have} logical CPU device(s) here (TensorFlow has started, so the host CPU "
-            f"cannot be split further). Expected at most {have}, or call "
-            f"tfscale.strategies.split_cpu({num_devices}) before the first TensorFlow op."
-        ) from None
+    return first_devices(num_devices, "num_devices")
 
 
 def _check_tensor_parallel(tensor_parallel, num_devices):

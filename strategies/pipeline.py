@@ -22,7 +22,7 @@ import logging
 import tensorflow as tf
 
 from tfscale.strategies import _partition, _pipeline_keras, _schedule
-from tfscale.strategies._devices import split_cpu
+from tfscale.strategies._devices import first_devices
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._timeline import PipelineTrace
 from tfscale.strategies._timeline import plot as plot_timeline
@@ -50,18 +50,7 @@ def _device_key(name):
 
 def _resolve_devices(devices, num_stages):
     if devices is None:
-        gpus = tf.config.list_logical_devices("GPU")
-        if len(gpus) >= num_stages:
-            return [d.name for d in gpus[:num_stages]]
-        try:
-            return split_cpu(num_stages)
-        except StrategyError:
-            have = len(tf.config.list_logical_devices("CPU"))
-            raise StrategyError(
-                f"Invalid value for argument `num_stages`. Received: num_stages={num_stages} with "
-                f"{len(gpus)} GPU(s) and {have} logical CPU device(s) here. Expected at most "
-                "as many stages as devices (one stage per device)."
-            ) from None
+        return first_devices(num_stages, "num_stages")
     devices = list(devices) if isinstance(devices, (list, tuple)) else None
     if devices is None or len(devices) != num_stages or not all(isinstance(d, str) for d in devices):
         raise StrategyError(

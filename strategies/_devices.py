@@ -1,10 +1,28 @@
-"""Splitting the host CPU into logical devices so data parallelism runs without GPUs."""
+"""Devices for every strategy: naming, discovery, the CPU split, and resolving a user's list.
+
+One owner for "which devices": the pipeline's stages and model split's parts ask
+`resolve_devices`, the data-parallel strategies `split_cpu` / `parse_device`.
+
+Discovery never starts TensorFlow's runtime: it reads the physical devices and their
+logical configuration (`tf.config.list_physical_devices` does not initialise the runtime;
+`list_logical_devices` does, after which the host CPU can no longer be split). So a fresh
+process can create a pipeline or model-split strategy on CPU with default devices.
+"""
 
 import tensorflow as tf
 
 from tfscale.strategies._errors import StrategyError
 
-__all__ = ["cpu_device_names", "split_cpu"]
+__all__ = [
+    "cpu_device_names",
+    "device_key",
+    "device_type",
+    "first_devices",
+    "local_device_names",
+    "parse_device",
+    "resolve_devices",
+    "split_cpu",
+]
 
 
 def split_cpu(num_devices):
@@ -57,16 +75,111 @@ def cpu_device_names(num_devices):
 
 def parse_device(device, argument="device"):
     """Canonical '/device:TYPE:i' for a device name, or `StrategyError` naming `argument`."""
-    try:
-        spec = tf.DeviceSpec.from_string(device)
-    except (ValueError, TypeError):
-        spec = None
-    if spec is None or spec.device_type is None:
+    key = device_key(device) if isinstance(device, str) else None
+    if key is None:
         raise StrategyError(
             f"Invalid value for argument `{argument}`. Received: {argument}={device!r}. "
             "Expected a device name such as '/cpu:0' or '/gpu:1'."
         )
-    return f"/device:{spec.device_type.upper()}:{spec.device_index or 0}"
+    return f"/device:{key[2]}:{key[3]}"
+
+
+def device_key(device):
+    """A comparable key for a device name (None if it is not one): job, task, type, index.
+
+    A local name (no job, or job "localhost") keys as the same device however it is spelled
+    ('/cpu:0', '/device:CPU:0', '/job:localhost/replica:0/task:0/device:CPU:0').
+    """
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except (ValueError, TypeError):
+        return None
+    if spec.device_type is None:
+        return None
+    job = None if spec.job in (None, "localhost") else spec.job
+    task = (spec.replica or 0, spec.task or 0) if job else (0, 0)
+    return job, task, spec.device_type.upper(), spec.device_index or 0
+
+
+def device_type(device):
+    """'CPU', 'GPU', ... of a device name (None if it is not one)."""
+    key = device_key(device)
+    return None if key is None else key[2]
+
+
+def local_device_names(kind):
+    """The local logical devices of one type ('CPU', 'GPU'), without starting the runtime.
+
+    Counts each visible physical device's logical configuration (one logical device when
+    it has none), which is what the runtime creates when it starts.
+    """
+    names = []
+    for physical in tf.config.get_visible_devices(kind):
+        configured = tf.config.get_logical_device_configuration(physical)
+        names += [None] * (len(configured) if configured else 1)
+    return [f"/device:{kind}:{i}" for i in range(len(names))]
+
+
+def _canonical(device, argument):
+    """'/device:TYPE:i' for a local name; a remote task's name is kept whole."""
+    local = parse_device(device, argument)
+    return tf.DeviceSpec.from_string(device).to_string() if device_key(device)[0] else local
+
+
+def resolve_devices(devices, count, *, count_argument, distinct):
+    """The device of each part (pipeline stage, model-split part), checked.
+
+    Args:
+        devices: the user's list of device names, or None for the first `count` devices
+            (`first_devices`).
+        count: how many parts, or None to take `len(devices)`.
+        count_argument: the user's argument that gave `count`, named in errors.
+        distinct: whether every part needs its own device (model split); a pipeline may
+            place several stages on one device.
+
+    Returns:
+        Canonical names ('/device:CPU:1'; a remote task's name kept whole), one per part.
+
+    Raises:
+        StrategyError: not a list of names, the wrong length, a repeated device where
+            `distinct`, or a local device that does not exist here.
+    """
+    if devices is None:
+        return first_devices(_positive(count, count_argument), count_argument)
+    if isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices:
+        raise StrategyError(
+            f"Invalid value for argument `devices`. Received: devices={devices!r}. Expected a "
+            "non-empty list of device names."
+        )
+    if count is not None and len(devices) != count:
+        raise StrategyError(
+            f"Invalid value for argument `devices`. Received: devices={list(devices)!r}. Expected a "
+            f"list of {count} device names (one per part, {count_argument}={count})."
+        )
+    names = [_canonical(d, "devices") for d in devices]
+    if distinct and len(set(names)) != len(names):
+        raise StrategyError(
+            f"Invalid value for argument `devices`. Received: devices={list(devices)!r}. Expected "
+            "distinct devices, one per part."
+        )
+    for name, given in zip(names, devices):
+        kind = device_type(name)
+        known = local_device_names(kind)
+        if not name.startswith("/job:") and name not in known:
+            raise StrategyError(
+                f"Invalid value for argument `devices`. Received: device {given!r}, which does not "
+                f"exist here. Expected names from {known or ['/device:CPU:0']}."
+            )
+    return names
+
+
+def _positive(value, argument):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise StrategyError(
+            f"Invalid value for argument `{argument}`. Received: {argument}={value!r}. Expected a "
+            "positive integer (or pass `devices`)."
+        )
+    return value
 
 
 def first_devices(count, argument):
@@ -79,18 +192,20 @@ def first_devices(count, argument):
     Raises:
         StrategyError: too few GPUs, or TensorFlow already started with fewer CPU devices.
     """
-    gpus = tf.config.list_logical_devices("GPU")
+    # Physical devices: asking for logical ones would start the runtime, and the host CPU
+    # could then no longer be split below.
+    gpus = local_device_names("GPU")
     if gpus:
         if count > len(gpus):
             raise StrategyError(
                 f"Invalid value for argument `{argument}`. Received: {argument}={count}. "
                 f"Expected at most the {len(gpus)} GPU(s) visible here."
             )
-        return [d.name for d in gpus[:count]]
+        return gpus[:count]
     try:
         return split_cpu(count)
     except StrategyError:
-        have = len(tf.config.list_logical_devices("CPU"))
+        have = len(local_device_names("CPU"))
         raise StrategyError(
             f"Invalid value for argument `{argument}`. Received: {argument}={count}, more than the "
             f"{have} logical CPU device(s) here (TensorFlow has started, so the host CPU cannot be "

@@ -1,41 +1,71 @@
-"""Keeping computation, gradients and optimizer state on the device that holds the weights."""
+"""Placement shared by the pipeline and model split: layers, gradients and slots on devices.
 
-import functools
+- `clone_chain`: the one way a chain of layers is copied onto devices (each copy's
+  variables created under its part's device, the weights copied);
+- `on_device`: a computation whose backward runs on the same device as its forward;
+- `place_slots_with_variables`: optimizer slots created beside their variables (an upstream
+  gap, worked around in `tfscale.compat.keras_optimizer_slots`).
+"""
 
 import tensorflow as tf
 
-__all__ = ["device_of", "on_device", "place_slots_with_variables"]
+from tfscale.compat.keras_optimizer_slots import place_slots_with_variables
+from tfscale.strategies._devices import device_key
+
+__all__ = [
+    "clone_chain",
+    "device_of",
+    "model_input",
+    "on_device",
+    "part_of_each_layer",
+    "place_slots_with_variables",
+    "variable_device",
+]
+
+
+def variable_device(variable):
+    """The full device name of a Keras (or tf) variable's backing `tf.Variable`."""
+    return getattr(variable, "value", variable).device
 
 
 def device_of(variable):
     """The short device name (`/device:CPU:1`) a Keras or tf variable lives on."""
-    value = getattr(variable, "value", variable)
-    spec = tf.DeviceSpec.from_string(value.device)
-    if spec.job not in (None, "localhost"):
-        return value.device
-    return f"/device:{spec.device_type}:{spec.device_index}"
+    device = variable_device(variable)
+    job, _, kind, index = device_key(device)
+    return device if job else f"/device:{kind}:{index}"
 
 
-def place_slots_with_variables(optimizer):
-    """Makes the optimizer create each slot variable on its model variable's device.
+def part_of_each_layer(counts, parts):
+    """Spreads `parts` (devices, stage indices) over layers: `counts[i]` layers get `parts[i]`."""
+    return [part for count, part in zip(counts, parts) for _ in range(count)]
 
-    Keras 3 (3.0-3.15, TF backend) creates slots under `colocate_vars_with`, which eager
-    mode ignores: every slot (Adam's momentum and velocity, SGD's momentum) would land on the
-    default device, doubling or tripling that device's memory. `add_variable_from_reference`
-    is the optimizer's public hook for slots, so it is wrapped on this instance only.
+
+def clone_chain(layers, counts, devices, inputs):
+    """Copies a chain of layers onto devices, `counts[i]` consecutive layers on `devices[i]`.
+
+    Each copy (same class and config, so the same name and weights layout) is called on the
+    previous copy's output under its device, which creates its variables there; then the
+    original's weights are copied in.
+
+    Args:
+        layers: the chain, e.g. from `_partition.chain_layers(model)`.
+        counts: layers per part, e.g. from `_partition.balance`.
+        devices: one device name per part (repeats allowed: several stages on one device).
+        inputs: a symbolic `keras.Input` for the first layer.
+
+    Returns:
+        (copies, placement, outputs): the copied layers, each one's device, and the symbolic
+        output of the last copy.
     """
-    original = optimizer.add_variable_from_reference
-    if getattr(original, "_tfscale_placed", False):
-        return
-
-    @functools.wraps(original)
-    def placed(reference_variable, *args, **kwargs):
-        with tf.device(device_of(reference_variable)):
-            return original(reference_variable, *args, **kwargs)
-
-    placed._tfscale_placed = True
-    # The optimizer tracks attributes it is given; a bound hook is not state, so bypass that.
-    object.__setattr__(optimizer, "add_variable_from_reference", placed)
+    placement = part_of_each_layer(counts, devices)
+    copies, x = [], inputs
+    for layer, device in zip(layers, placement):
+        copy = type(layer).from_config(layer.get_config())
+        with tf.device(device):
+            x = copy(x)
+        copy.set_weights(layer.get_weights())
+        copies.append(copy)
+    return copies, placement, x
 
 
 def on_device(device, fn, *inputs):
@@ -78,3 +108,16 @@ def on_device(device, fn, *inputs):
     # The op that carries the custom gradient holds the output: keep it on the device too.
     with tf.device(device):
         return run(*[tf.convert_to_tensor(x) for x in inputs])
+
+
+def model_input(model):
+    """A fresh `keras.Input` like the model's single input, or None if the model is unbuilt."""
+    import keras
+
+    try:
+        spec = model.inputs
+    except (AttributeError, ValueError):
+        spec = None
+    if not spec:
+        return None
+    return keras.Input(batch_shape=spec[0].shape, dtype=spec[0].dtype, name=spec[0].name)

@@ -170,7 +170,7 @@ def test_tensor_split_holds_one_kth_of_the_split_layers_per_device(name, k):
     original = variable_bytes(
         v
         for layer in model.layers
-        if isinstance(layer, strategies._tensor_split.SUPPORTED)
+        if isinstance(layer, strategies.model_split.tensor_split.SUPPORTED)
         for v in layer.weights
     )
     strategy = ModelSplitStrategy(tensor_parallel=k)
@@ -296,9 +296,14 @@ def test_get_returns_the_strategy_with_its_devices():
         ({"num_devices": 2, "tensor_parallel": 3}, r"tensor_parallel=3 with 2 device"),
         ({"num_devices": 2, "balance": "flops"}, r"balance='flops'"),
         ({"num_devices": 2, "tensor_layers": ["x"]}, r"`tensor_layers=\['x'\]` needs tensor split"),
+        (
+            {"num_devices": 2, "foo": 1},
+            r"Unknown option\(s\) \['foo'\].*'model_split'.*'balance'",
+        ),
     ],
 )
 def test_bad_options_are_refused(options, message):
+    tf.config.list_logical_devices()  # Started: the 4 devices of conftest can no longer grow.
     with pytest.raises(StrategyError, match=message):
         strategies.get("model_split", **options)
 
@@ -389,3 +394,36 @@ def test_functional_chain_with_dropout_splits_by_time_and_keeps_adam_slots_with_
     copy = keras.models.clone_model(model)
     copy.load_weights(tmp_path / "chain.weights.h5")
     np.testing.assert_allclose(copy(x), model(x), atol=1e-6)
+
+
+def _uneven_mlp():
+    """Parameters per layer 7*64, 64*2, 2*2, 2*64, 64*3 (+ biases): uniform differs from both."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((7,))] + [keras.layers.Dense(n) for n in (64, 2, 2, 64, 3)])
+
+
+def _fixed_times(monkeypatch, seconds):
+    """Layer timings the partitioner would have measured, fixed so the test is exact."""
+    calls = iter(seconds)
+    monkeypatch.setattr(strategies._partition, "_time_layer", lambda layer, x: (layer(x), next(calls)))
+
+
+@pytest.mark.parametrize("method", ["parameters", "time"])
+@pytest.mark.parametrize("where", ["constructor", "split"])
+def test_balance_reaches_the_partitioner(method, where, monkeypatch):
+    model, x = _uneven_mlp(), np.zeros((4, 7), "float32")
+    layers = strategies._partition.chain_layers(model)
+    times = [1.0, 1.0, 1.0, 1.0, 9.0]  # "time": the last layer alone on one device.
+    if method == "time":
+        _fixed_times(monkeypatch, times)
+    expected = strategies._partition.balance(layers, 2, method, x)
+    assert expected not in ([3, 2], [2, 3])  # unlike "uniform"
+    if method == "time":
+        _fixed_times(monkeypatch, times)
+    if where == "constructor":
+        strategy = ModelSplitStrategy(num_devices=2, balance=method, sample_input=x)
+        strategy.split(model)
+    else:  # Where the pipeline takes it.
+        strategy = ModelSplitStrategy(num_devices=2, balance=method)
+        strategy.split(model, sample_input=x)
+    assert [len(part["layers"]) for part in strategy.placement] == expected

@@ -15,9 +15,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfscale.callbacks
 import tfscale.strategies
-from tfscale.strategies import BalanceError, PipelineStrategy, StrategyError, _schedule, _timeline
-from tfscale.strategies._pipeline_keras import variable_device
+from tfscale.compat import tf_xplane
+from tfscale.strategies import BalanceError, PipelineStrategy, StrategyError
+from tfscale.strategies._placement import variable_device
+from tfscale.strategies.pipeline import schedules as _schedule
+from tfscale.strategies.pipeline import timeline as _timeline
 
 RTOL, ATOL = 1e-5, 1e-6
 EPOCHS, BATCH, SAMPLES = 3, 16, 32
@@ -130,7 +134,7 @@ def _forward_ops_in_backward(pipelined, x, y):
     tf.profiler.experimental.start(logdir)
     pipelined.train_on_batch(x, y)
     tf.profiler.experimental.stop()
-    names = [name for name, _, _ in _timeline._xplane_events(logdir)]
+    names = [name for name, _, _ in tf_xplane.op_events(logdir)]
     shutil.rmtree(logdir)
     forward = re.compile(r"^pipeline/s\d+_B\d+/.*:(_FusedMatMul|MatMul|Relu|Tanh)$")
     return sum(1 for name in names if forward.match(name))
@@ -245,10 +249,15 @@ class _StopAfterEpoch(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
-def test_backup_and_restore_resumes_like_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize(
+    "backup_class",
+    [keras.callbacks.BackupAndRestore, tfscale.callbacks.BackupAndRestore],
+    ids=["keras", "tfscale"],
+)
+def test_backup_and_restore_resumes_like_an_uninterrupted_run(tmp_path, backup_class):
     x, y = _data("mlp")
     expected, weights = _reference("mlp")
-    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    backup = backup_class(str(tmp_path / "backup"))
     first = _compile(_wrap("mlp", num_stages=2, num_microbatches=2))
     with pytest.raises(RuntimeError, match="interrupted"):
         _fit(first, x, y, callbacks=[backup, _StopAfterEpoch()])
@@ -293,3 +302,140 @@ def test_bad_input_raises_clear_value_errors():
         tfscale.strategies.get("pipeline", stages=2)
     with pytest.raises(StrategyError, match="`jit_compile`"):
         _wrap("mlp", num_stages=2).compile(optimizer="sgd", loss="mse", jit_compile=True)
+
+
+def test_tfscale_backup_of_a_finished_run_restores_into_a_new_pipelined_model(tmp_path):
+    x, y = _data("mlp")
+    backup = tfscale.callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False)
+    first = _compile(_wrap("mlp", num_stages=2, num_microbatches=2))
+    first.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[backup])
+    second = _compile(_wrap("mlp", num_stages=2, num_microbatches=2))
+    second.set_weights([w + 1.0 for w in second.get_weights()])  # Only a restore can undo this.
+    history = second.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[backup])
+    assert history.history == {}  # Both epochs were restored, none re-run.
+    for a, b in zip(second.get_weights(), first.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(second.optimizer.variables, first.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def _uneven_mlp():
+    """Parameters per layer 7*64, 64*2, 2*2, 2*64, 64*3 (+ biases): uniform differs from both."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((7,))] + [keras.layers.Dense(n) for n in (64, 2, 2, 64, 3)], name="uneven"
+    )
+
+
+def _fixed_times(monkeypatch, seconds):
+    """Layer timings the partitioner would have measured, fixed so the test is exact."""
+    calls = iter(seconds)
+    monkeypatch.setattr(
+        tfscale.strategies._partition, "_time_layer", lambda layer, x: (layer(x), next(calls))
+    )
+
+
+@pytest.mark.parametrize("method", ["parameters", "time"])
+def test_balance_reaches_the_partitioner(method, monkeypatch):
+    model, x = _uneven_mlp(), np.zeros((4, 7), "float32")
+    layers = tfscale.strategies._partition.chain_layers(model)
+    times = [1.0, 1.0, 1.0, 1.0, 9.0]  # "time": the last layer alone on one stage.
+    if method == "time":
+        _fixed_times(monkeypatch, times)
+    expected = tfscale.strategies._partition.balance(layers, 2, method, x)
+    assert expected not in ([3, 2], [2, 3])  # unlike "uniform"
+    if method == "time":
+        _fixed_times(monkeypatch, times)
+    pipelined = PipelineStrategy(num_stages=2, num_microbatches=2, balance=method).split(
+        model, sample_input=x
+    )
+    assert [len(part["layers"]) for part in pipelined.partition] == expected
+
+
+def test_trace_step_advances_the_optimizer_by_one_step():
+    x, y = _data("mlp", samples=8)
+    traced = _compile(_wrap("mlp", num_stages=2, num_microbatches=2))
+    trained = _compile(_wrap("mlp", num_stages=2, num_microbatches=2))
+    traced.trace_step(x, y)
+    trained.train_on_batch(x, y)
+    assert int(traced.optimizer.iterations.numpy()) == 1
+    for a, b in zip(traced.get_weights(), trained.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_split_merge_report_are_the_model_split_verbs():
+    strategy = PipelineStrategy(num_stages=2, num_microbatches=2, balance="uniform")
+    model = _model("mlp")
+    pipelined = strategy.split(model)
+    assert PipelineStrategy.wrap is PipelineStrategy.split
+    merged = strategy.merge(pipelined)
+    assert type(merged) is type(model)
+    x = _data("mlp")[0]
+    np.testing.assert_allclose(merged(x), model(x), rtol=RTOL, atol=ATOL)
+    rows = strategy.report(pipelined)
+    assert [row["device"] for row in rows] == ["/device:CPU:0", "/device:CPU:1"]
+    assert [row["params"] for row in rows] == [p["params"] for p in pipelined.partition]
+    with pytest.raises(StrategyError, match=r"`pipelined`.*not returned by PipelineStrategy\.split"):
+        strategy.merge(model)
+
+
+def test_a_schedule_is_one_registered_function(monkeypatch):
+    monkeypatch.setitem(_schedule.SCHEDULES, "gpipe-copy", _schedule.SCHEDULES["gpipe"])
+    x, y = _data("mlp")
+    expected, _ = _reference("mlp")
+    pipelined = _compile(_wrap("mlp", num_stages=2, num_microbatches=2, schedule="gpipe-copy"))
+    history = _fit(pipelined, x, y)
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=RTOL, atol=ATOL)
+    with pytest.raises(StrategyError, match=r"schedule='bogus'.*\['gpipe', '1f1b', 'gpipe-copy'\]"):
+        tfscale.strategies.get("pipeline", schedule="bogus")
+
+
+@pytest.mark.parametrize("kind", list(_schedule.Kind))
+def test_op_names_parse_back_to_their_op(kind):
+    op = _schedule.Op(3, kind, 11)
+    name = _schedule.op_name(op)
+    assert _schedule.parse_op_name(f"{name}/dense/MatMul:MatMul") == op
+    backward = _schedule.Op(3, _schedule.Kind.BACKWARD, 11)
+    assert _schedule.parse_op_name(f"gradient_tape/{name}/dense/MatMul") == (
+        backward if kind == _schedule.Kind.FORWARD else op
+    )
+    assert _schedule.parse_op_name("model/dense/MatMul") is None
+
+
+def test_stage_devices_map_v_stages_per_device():
+    assert _schedule.stage_devices(["a", "b"], 2) == ["a", "b"]
+    assert _schedule.stage_devices(["a", "b"], 4) == ["a", "b", "a", "b"]
+    with pytest.raises(ValueError, match="3 stages cannot be spread evenly over 2 devices"):
+        _schedule.stage_devices(["a", "b"], 3)
+
+
+@pytest.mark.parametrize("device_type", ["CPU", "GPU"])
+def test_matmul_pretranspose_only_on_cpu_stages(device_type):
+    """Eigen's CPU MatMul needs the pre-transposed weight; a GPU stage keeps `transpose_b`."""
+    from tfscale.strategies.pipeline.step import Stage
+
+    strategy = PipelineStrategy(num_stages=2, num_microbatches=2, balance="uniform")
+    cpu_stages = strategy.split(_square_mlp()).stages
+    # The graph is only built, never run, so GPU stages need no GPU here.
+    stages = [Stage(s.index, s.layers, f"/device:{device_type}:{s.index}") for s in cpu_stages]
+    assert [stage.pretranspose for stage in stages] == [device_type == "CPU"] * 2
+    graph = _train_graph(stages)
+    backward = [op for op in graph.get_operations() if op.type == "MatMul" and "gradient_tape" in op.name]
+    transposed_b = [op for op in backward if op.get_attr("transpose_b")]
+    assert backward and bool(transposed_b) is (device_type == "GPU")
+
+
+def _square_mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(4)])
+
+
+def _train_graph(stages):
+    from tfscale.strategies.pipeline import step
+
+    @tf.function
+    def batch(x):
+        xs = tf.split(x, 2)
+        return step.run_batch(stages, "1f1b", xs, lambda i, y: tf.reduce_sum(y))[2]
+
+    return batch.get_concrete_function(tf.TensorSpec((4, 8), tf.float32)).graph

@@ -5,41 +5,37 @@ the executor runs, with its thread, start and duration, without adding ops to th
 (Timestamp ops inside the graph would not do: `tf.function`'s automatic control
 dependencies chain every stateful op without a resource input in program order, which
 would serialise the stages.) Each op's name carries its group's scope
-`pipeline/s{stage}_{F|B}{microbatch}`, so a group's interval is [first op start, last op
-end]. The trace is read from the `.xplane.pb` file the profiler writes, with the protobuf
-class TensorFlow ships (`tensorflow.tsl.profiler.protobuf.xplane_pb2`, TF 2.16-2.21; a
-private module path, used only here).
+(`schedules.op_name`, e.g. `pipeline/s1_F3`), so a group's interval is [first op start, last
+op end]. The trace is read from the `.xplane.pb` file the profiler writes
+(`tfscale.compat.tf_xplane`). Op kinds, their letters and colours come from
+`schedules.Kind`, so a schedule with new kinds needs no change here.
 """
 
 import dataclasses
-import glob
-import os
-import re
 import shutil
 import tempfile
 
-from tfscale.strategies import _schedule
+from tfscale.compat import tf_xplane
+from tfscale.strategies.pipeline import schedules
+from tfscale.strategies.pipeline.schedules import Kind
 
 __all__ = ["PipelineTrace", "plot", "trace_train_step"]
 
-# Forward ops are named `pipeline/s1_F3/...`; a tape names the gradient ops of a forward op
-# `gradient_tape/<forward op name>`, so `gradient_tape/pipeline/s1_F3/...` is backward B3.
 # Ops that compute nothing: a variable read runs as soon as the variable is free (it holds no
 # activation), sends/receives are added between devices by the partitioner. They are left out
 # of a group's interval, which thus spans the group's computation.
 _BOOKKEEPING = frozenset(
     ["ReadVariableOp", "_Send", "_Recv", "_HostSend", "_HostRecv", "Const", "NoOp", "Identity"]
 )
-_GROUP = re.compile(r"(?:^|/)(gradient_tape/)?pipeline/s(\d+)_([FB])(\d+)/")
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineTrace:
-    """One measured step: per `Step` its (start, end) in seconds from the step's first op.
+    """One measured step: per `Op` its (start, end) in seconds from the step's first op.
 
     Attributes:
         schedule, num_stages, num_microbatches: what ran.
-        intervals: dict `Step` -> (start, end) seconds.
+        intervals: dict `Op` -> (start, end) seconds.
         live_activations: per stage, the most micro-batches alive at once (forward
             started, backward not finished), from the measured intervals.
         bubble: measured idle share, 1 - busy / (S * makespan), a stage's busy time
@@ -58,31 +54,13 @@ class PipelineTrace:
     makespan: float
 
 
-def _xplane_events(logdir):
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
-    for path in paths:
-        space = xplane_pb2.XSpace()
-        with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-        for plane in space.planes:
-            names = plane.event_metadata
-            for line in plane.lines:
-                for event in line.events:
-                    start_ns = line.timestamp_ns + event.offset_ps / 1000.0
-                    yield names[event.metadata_id].name, start_ns, start_ns + event.duration_ps / 1000.0
-
-
 def _group_intervals(events):
-    """Per `Step` its [first op start, last op end], and every op as (stage, start, end)."""
+    """Per `Op` its [first op start, last op end], and every op as (stage, start, end)."""
     groups, ops = {}, []
     for name, start, end in events:
-        match = _GROUP.search(name)
-        if match is None or name.rpartition(":")[2] in _BOOKKEEPING:
+        step = schedules.parse_op_name(name)
+        if step is None or name.rpartition(":")[2] in _BOOKKEEPING:
             continue
-        tape, stage, kind, microbatch = match.groups()
-        step = _schedule.Step(int(stage), "B" if tape else kind, int(microbatch))
         a, b = groups.get(step, (start, end))
         groups[step] = (min(a, start), max(b, end))
         ops.append((step, start, end))
@@ -92,15 +70,22 @@ def _group_intervals(events):
 def trace_train_step(model, x, y, sample_weight=None):
     """Runs one real training step of a `PipelinedModel` under the profiler and times it.
 
-    The step is a normal `train_on_batch` (it updates the weights). A first, unprofiled
-    step traces the graph, so that the profiled one measures only execution.
+    The step is a normal `train_on_batch`: it updates the weights and the optimizer once.
+    A first, unprofiled step traces the graph, so that the profiled one measures only
+    execution; its updates are undone (every model and optimizer variable restored).
 
     Returns:
         A `PipelineTrace`.
     """
     import tensorflow as tf
 
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    state = list(model.variables) + list(model.optimizer.variables)
+    saved = [v.numpy() for v in state]
     model.train_on_batch(x, y, sample_weight=sample_weight)
+    for variable, value in zip(state, saved):
+        variable.assign(value)
     logdir = tempfile.mkdtemp(prefix="tfscale_pipeline_trace_")
     try:
         tf.profiler.experimental.start(logdir)
@@ -108,14 +93,14 @@ def trace_train_step(model, x, y, sample_weight=None):
             model.train_on_batch(x, y, sample_weight=sample_weight)
         finally:
             tf.profiler.experimental.stop()
-        groups, ops = _group_intervals(_xplane_events(logdir))
+        groups, ops = _group_intervals(tf_xplane.op_events(logdir))
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
     return _summarise(groups, ops, model.schedule, len(model.stages), model.num_microbatches)
 
 
 def _summarise(groups, ops, schedule, num_stages, num_microbatches):
-    expected = {s for order in _schedule.order(schedule, num_stages, num_microbatches) for s in order}
+    expected = {s for order in schedules.order(schedule, num_stages, num_microbatches) for s in order}
     missing = expected - set(groups)
     if missing:
         raise RuntimeError(f"The profiler trace lacks {len(missing)} pipeline step(s), e.g. {min(missing)}.")
@@ -128,9 +113,9 @@ def _summarise(groups, ops, schedule, num_stages, num_microbatches):
         num_stages=num_stages,
         num_microbatches=num_microbatches,
         intervals=intervals,
-        live_activations=_schedule.live_activations(intervals, num_stages),
-        bubble=_schedule.bubble_fraction(spans, num_stages),
-        theoretical_bubble=_schedule.theoretical_bubble(num_stages, num_microbatches),
+        live_activations=schedules.live_activations(intervals, num_stages),
+        bubble=schedules.bubble_fraction(spans, num_stages),
+        theoretical_bubble=schedules.theoretical_bubble(num_stages, num_microbatches),
         makespan=max(b for _, b in intervals.values()),
     )
 
@@ -143,21 +128,25 @@ def plot(trace, path, title=None):
     import matplotlib.patches
     import matplotlib.pyplot as plt
 
-    colours = {"F": "#4C72B0", "B": "#DD8452"}
     fig, ax = plt.subplots(figsize=(10, 0.6 + 0.55 * trace.num_stages), dpi=90)
     for step, (start, end) in sorted(trace.intervals.items()):
         row = trace.num_stages - 1 - step.stage
         ms = (start * 1e3, (end - start) * 1e3)
-        ax.broken_barh([ms], (row - 0.4, 0.8), facecolors=colours[step.kind], edgecolor="white", lw=0.5)
-        ax.text(ms[0] + ms[1] / 2, row, f"{step.kind}{step.microbatch}", ha="center", va="center", fontsize=7)
+        ax.broken_barh([ms], (row - 0.4, 0.8), facecolors=Kind(step.kind).colour, edgecolor="white", lw=0.5)
+        ax.text(
+            ms[0] + ms[1] / 2,
+            row,
+            f"{Kind(step.kind).value}{step.microbatch}",
+            ha="center",
+            va="center",
+            fontsize=7,
+        )
     ax.set_yticks(range(trace.num_stages))
     ax.set_yticklabels([f"stage {s}" for s in reversed(range(trace.num_stages))])
     ax.set_xlabel("time in the step (ms)")
     ax.set_xlim(0, trace.makespan * 1e3)
-    handles = [
-        matplotlib.patches.Patch(color=c, label=k)
-        for k, c in (("forward", colours["F"]), ("backward", colours["B"]))
-    ]
+    kinds = sorted({Kind(step.kind) for step in trace.intervals}, key=list(Kind).index)
+    handles = [matplotlib.patches.Patch(color=kind.colour, label=kind.label) for kind in kinds]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     ax.set_title(
         title

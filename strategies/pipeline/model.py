@@ -6,8 +6,10 @@ import math
 import keras
 import tensorflow as tf
 
-from tfscale.strategies import _pipeline_keras, _pipeline_step
+from tfscale.compat import keras_compile_loss
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._placement import place_slots_with_variables
+from tfscale.strategies.pipeline import step as _step
 
 __all__ = ["PipelinedModel"]
 
@@ -67,7 +69,7 @@ def _microbatch_weights(reduction, sample_weights, num_microbatches):
 
 
 class PipelinedModel(keras.Model):
-    """A Keras model trained by a pipeline schedule; build it with `PipelineStrategy.wrap`.
+    """A Keras model trained by a pipeline schedule; build it with `PipelineStrategy.split`.
 
     It holds `unsplit_model`, the same network as the user's model (same class, layer names
     and weights file layout) with each stage's variables on that stage's device.
@@ -100,7 +102,7 @@ class PipelinedModel(keras.Model):
 
     def call(self, inputs, training=False):
         parts = _split_even(inputs, self.num_microbatches)
-        outputs = _pipeline_step.forward_only(self.stages, parts, training=training)
+        outputs = _step.forward_only(self.stages, parts, training=training)
         with tf.device(self.stages[-1].device):
             return tf.concat(outputs, axis=0)
 
@@ -113,7 +115,7 @@ class PipelinedModel(keras.Model):
             )
         super().compile(*args, jit_compile=False, **kwargs)
         _loss_reduction(self.loss)
-        _pipeline_keras.place_slots_with_variables(self.optimizer)
+        place_slots_with_variables(self.optimizer)
         # The unsplit model's weights file holds its optimizer: share ours, so the files
         # written by save_weights (and BackupAndRestore) are those of the unsplit model.
         self.unsplit_model.optimizer = self.optimizer
@@ -154,21 +156,21 @@ class PipelinedModel(keras.Model):
         with tf.device(stages[-1].device):
             ys, sws = _split_exact(y, m), _split_exact(sample_weight, m)
             weights = _microbatch_weights(_loss_reduction(self.loss), sws, m)
-        loss_object, terms = _pipeline_keras.compiled_loss(self), []
+        loss_object, terms = keras_compile_loss.compiled_loss(self), []
 
         def loss_fn(i, y_pred):
             value = loss_object(ys[i], y_pred, None if sws is None else sws[i]) * weights[i]
             terms.append(value)
             return self.optimizer.scale_loss(value)
 
-        y_preds, _, gradients = _pipeline_step.run_batch(stages, self.schedule, xs, loss_fn)
+        y_preds, _, gradients = _step.run_batch(stages, self.schedule, xs, loss_fn)
         regularization = self._regularization(gradients)
         variables = [v for stage in stages for v in stage.trainable_variables]
         self.optimizer.apply_gradients(zip([g for gs in gradients for g in gs], variables))
         with tf.device(stages[-1].device):
             loss = tf.add_n(terms + regularization)
             y_pred = tf.concat(y_preds, axis=0)
-        _pipeline_keras.update_loss_tracker(self, loss, batch)
+        keras_compile_loss.update_loss_tracker(self, loss, batch)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _checked_batch_size(self, x):
@@ -207,12 +209,13 @@ class PipelinedModel(keras.Model):
     def trace_step(self, x, y, sample_weight=None):
         """Profiles one real training step; returns its measured `PipelineTrace`.
 
-        Two `train_on_batch` steps run (the first traces the graph), so the weights
-        change. `tfscale.strategies._timeline.plot(trace, path)` draws it.
+        The weights and the optimizer advance by exactly one step (a warm-up step that
+        traces the graph first is undone). `tfscale.strategies.pipeline.plot_timeline(trace,
+        path)` draws it.
         """
-        from tfscale.strategies import _timeline
+        from tfscale.strategies.pipeline import timeline
 
-        return _timeline.trace_train_step(self, x, y, sample_weight=sample_weight)
+        return timeline.trace_train_step(self, x, y, sample_weight=sample_weight)
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Writes the unsplit model's weights file (loadable by the user's original model)."""

@@ -2,20 +2,19 @@
 
 import weakref
 
-import keras
-import tensorflow as tf
-
-from tfscale.strategies import _partition
-from tfscale.strategies._devices import first_devices, parse_device
+from tfscale.strategies import _partition, _parts
+from tfscale.strategies._devices import resolve_devices
 from tfscale.strategies._errors import StrategyError
-from tfscale.strategies._placement import device_of
-from tfscale.strategies._split_models import SplitSequential
-from tfscale.strategies._tensor_split import clone_layer, copy_weights, model_input, tensor_split
-from tfscale.strategies.layers import ModelSplitError
+from tfscale.strategies._options import reject_unknown
+from tfscale.strategies._placement import clone_chain
+from tfscale.strategies.model_split.layers import ModelSplitError
+from tfscale.strategies.model_split.models import SplitSequential
+from tfscale.strategies.model_split.tensor_split import model_input, tensor_split
 
 __all__ = ["ModelSplitStrategy"]
 
 _BALANCE_METHODS = ("parameters", "uniform", "time")
+_OPTIONS = ("devices", "num_devices", "balance", "tensor_parallel", "tensor_layers", "sample_input")
 
 
 class ModelSplitStrategy:
@@ -26,7 +25,7 @@ class ModelSplitStrategy:
     each group's variables are created on its device and its layers run there, the
     activations moving between devices. Tensor split (`tensor_parallel=K`): each Dense,
     Embedding and MultiHeadAttention layer is replaced by its Megatron-style split form
-    (see `tfscale.strategies.layers`), K weight shards on K devices.
+    (see `tfscale.strategies.model_split.layers`), K weight shards on K devices.
 
     `split(model)` returns an ordinary Keras model (`compile`, `fit`, `evaluate`,
     `predict`, `save_weights` work) with the original's weights; `merge(split_model)`
@@ -42,7 +41,8 @@ class ModelSplitStrategy:
         tensor_parallel: False (layer split), or True / K (tensor split over all K devices).
         tensor_layers: tensor split only: names of the layers to split; None splits every
             top-level Dense, Embedding and MultiHeadAttention layer.
-        sample_input: a batch for the model, used by `balance="time"`.
+        sample_input: a batch for the model, used by `balance="time"`; may also be
+            given to `split`, like the pipeline's (which wins).
 
     Raises:
         StrategyError: devices that do not exist here, or options that contradict each other.
@@ -65,7 +65,9 @@ class ModelSplitStrategy:
         tensor_parallel=False,
         tensor_layers=None,
         sample_input=None,
+        **unknown,
     ):
+        reject_unknown("model_split", unknown, _OPTIONS)
         self._devices = _resolve_devices(devices, num_devices, tensor_parallel)
         self._tensor = _check_tensor_parallel(tensor_parallel, len(self._devices))
         if not isinstance(balance, (list, tuple)) and balance not in _BALANCE_METHODS:
@@ -79,7 +81,7 @@ class ModelSplitStrategy:
                 "`tensor_parallel=True` (or the number of devices) with it."
             )
         self._balance, self._tensor_layers, self._sample_input = balance, tensor_layers, sample_input
-        self._origins = weakref.WeakKeyDictionary()  # split model -> (original class, config)
+        self._origins = weakref.WeakKeyDictionary()  # split model -> _parts.Origin
         self.placement = None
 
     @property
@@ -91,12 +93,14 @@ class ModelSplitStrategy:
     def num_devices(self):
         return len(self._devices)
 
-    def split(self, model):
+    def split(self, model, *, sample_input=None):
         """Returns a split copy of a built `model`, with its weights.
 
         Args:
             model: a built Keras model: Sequential or functional. Layer split needs a chain
                 (see `tfscale.strategies._partition.chain_layers`); tensor split any graph.
+            sample_input: a batch for the model; needed by balance="time" (else the one
+                given to the constructor is used).
 
         Returns:
             A `keras.Model` of the same layers (Sequential for layer split) whose variables
@@ -110,26 +114,19 @@ class ModelSplitStrategy:
         if self._tensor:
             split = tensor_split(model, self._devices, self._tensor_layers)
         else:
-            split = self._layer_split(model)
-        self._origins[split] = (type(model), model.get_config(), _custom_objects(model))
+            sample = self._sample_input if sample_input is None else sample_input
+            split = self._layer_split(model, sample)
+        self._origins[split] = _parts.Origin(model)
         return split
 
-    def _layer_split(self, model):
+    def _layer_split(self, model, sample_input):
         layers = _partition.chain_layers(model)
-        counts = _partition.balance(layers, len(self._devices), self._balance, self._sample_input)
-        x = model_input(model)
-        clones, placement = [model_input(model)], []
-        start = 0
-        for count, device in zip(counts, self._devices):
-            for layer in layers[start : start + count]:
-                clone = clone_layer(layer)
-                with tf.device(device):  # Variables are created (built) on their device.
-                    x = clone(x)
-                clones.append(clone)
-                placement.append(device)
-            start += count
-        split = SplitSequential(clones, placement=placement, name=f"{model.name}_split")
-        copy_weights(layers, split)
+        counts = _partition.balance(layers, len(self._devices), self._balance, sample_input)
+        inputs = model_input(model)
+        copies, placement, _ = clone_chain(layers, counts, self._devices, inputs)
+        split = SplitSequential(
+            [model_input(model), *copies], placement=placement, name=f"{model.name}_split"
+        )
         self.placement = _partition.describe(split.layers, counts, self._devices)
         return split
 
@@ -147,15 +144,7 @@ class ModelSplitStrategy:
                 f"Invalid value for argument `split_model`: model {split_model.name!r} was not "
                 "returned by this strategy's split(). Expected the model split() returned."
             )
-        cls, config, custom = self._origins[split_model]
-        with keras.saving.custom_object_scope(custom):
-            merged = cls.from_config(config)
-        for layer in merged.layers:
-            if not layer.weights:
-                continue
-            part = split_model.get_layer(layer.name)
-            layer.set_weights(part.full_weights() if hasattr(part, "full_weights") else part.get_weights())
-        return merged
+        return _parts.merge(self._origins[split_model], split_model)
 
     def report(self, split_model):
         """Per device, read from each variable's device: layers, params and param bytes.
@@ -164,27 +153,7 @@ class ModelSplitStrategy:
             A list of dicts (one per device, in order) with keys "device", "layers",
             "params", "param_bytes"; model variables only (optimizer slots not counted).
         """
-        rows = {d: {"device": d, "layers": [], "params": 0, "param_bytes": 0} for d in self._devices}
-        for layer in split_model.layers:
-            for variable in layer.weights:
-                row = rows.setdefault(
-                    device_of(variable),
-                    {"device": device_of(variable), "layers": [], "params": 0, "param_bytes": 0},
-                )
-                size = int(tf.size(variable.value))
-                row["params"] += size
-                row["param_bytes"] += size * tf.as_dtype(variable.dtype).size
-                if layer.name not in row["layers"]:
-                    row["layers"].append(layer.name)
-        return list(rows.values())
-
-
-def _custom_objects(model):
-    return {type(layer).__name__: type(layer) for layer in model.layers}
-
-
-def _normalize(device):
-    return parse_device(device, "devices")
+        return _parts.report(split_model.layers, self._devices)
 
 
 def _resolve_devices(devices, num_devices, tensor_parallel):
@@ -195,31 +164,7 @@ def _resolve_devices(devices, num_devices, tensor_parallel):
         )
     if devices is None and num_devices is None and not isinstance(tensor_parallel, bool):
         num_devices = tensor_parallel
-    if devices is not None:
-        if isinstance(devices, str) or len(devices) < 1:
-            raise StrategyError(
-                f"Invalid value for argument `devices`. Received: devices={devices!r}. "
-                "Expected a non-empty list of device names."
-            )
-        names = [_normalize(d) for d in devices]
-        known = [d.name for d in tf.config.list_logical_devices()]
-        missing = [d for d in names if d not in known]
-        if missing or len(set(names)) != len(names):
-            raise StrategyError(
-                f"Invalid value for argument `devices`. Received: devices={list(devices)!r}. "
-                f"Expected distinct devices among {known}."
-            )
-        return names
-    return _first_devices(num_devices)
-
-
-def _first_devices(num_devices):
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise StrategyError(
-            f"Invalid value for argument `num_devices`. Received: num_devices={num_devices!r}. "
-            "Expected a positive integer (or pass `devices`)."
-        )
-    return first_devices(num_devices, "num_devices")
+    return resolve_devices(devices, num_devices, count_argument="num_devices", distinct=True)
 
 
 def _check_tensor_parallel(tensor_parallel, num_devices):

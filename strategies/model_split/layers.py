@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from tfscale.compat.keras_mask import get_keras_mask
 from tfscale.strategies._placement import on_device
 
 __all__ = [
@@ -32,14 +33,6 @@ __all__ = [
 
 class ModelSplitError(ValueError):
     """A layer that cannot be split as asked (names the layer, the value and what fits)."""
-
-
-def _keras_mask(x):
-    # Keras 3 attaches masks (Embedding(mask_zero=True)) to tensors and offers no public
-    # getter; MultiHeadAttention itself reads it with this function (Keras 3.0-3.15).
-    from keras.src.backend import get_keras_mask
-
-    return get_keras_mask(x)
 
 
 class _Sharded(keras.layers.Layer):
@@ -444,7 +437,7 @@ class HeadParallelMultiHeadAttention(_Sharded):
         """The (B, T, S) boolean mask, combined as keras.layers.MultiHeadAttention does."""
         masks = []
         for x, axis in ((query, -1), (value, -2), (key, -2)):
-            found = None if x is None else _keras_mask(x)
+            found = None if x is None else get_keras_mask(x)
             if found is not None:
                 masks.append(ops.expand_dims(ops.cast(found, "bool"), axis))
         if use_causal_mask:

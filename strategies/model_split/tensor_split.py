@@ -4,16 +4,17 @@ import keras
 import tensorflow as tf
 
 from tfscale.strategies._partition import graph_config, tensor_producers
-from tfscale.strategies._split_models import SplitFunctional, SplitSequential
-from tfscale.strategies.layers import (
+from tfscale.strategies._placement import model_input as _model_input
+from tfscale.strategies.model_split.layers import (
     ColumnParallelDense,
     HeadParallelMultiHeadAttention,
     ModelSplitError,
     RowParallelDense,
     VocabParallelEmbedding,
 )
+from tfscale.strategies.model_split.models import SplitFunctional, SplitSequential
 
-__all__ = ["SUPPORTED", "clone_layer", "copy_weights", "model_input", "tensor_split"]
+__all__ = ["SUPPORTED", "model_input", "tensor_split"]
 
 SUPPORTED = (keras.layers.Dense, keras.layers.Embedding, keras.layers.MultiHeadAttention)
 # Config keys whose non-default value the split layers do not reproduce.
@@ -46,20 +47,17 @@ class _Shards:
 
 def model_input(model):
     """A fresh `keras.Input` like the model's single input; the model must be built."""
-    try:
-        spec = model.inputs
-    except (AttributeError, ValueError):
-        spec = None
-    if not spec:
+    inputs = _model_input(model)
+    if inputs is None:
         raise ModelSplitError(
             f"Cannot split model {model.name!r}: it is not built, so its input shape is unknown. "
             "Start it with keras.Input(...) or call model.build(input_shape) first."
         )
-    return keras.Input(batch_shape=spec[0].shape, dtype=spec[0].dtype, name=spec[0].name)
+    return inputs
 
 
 def clone_layer(layer):
-    """A new, unbuilt layer of the same class and config (weights copied later)."""
+    """A new, unbuilt layer of the same class and config."""
     return type(layer).from_config(layer.get_config())
 
 

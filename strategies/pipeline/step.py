@@ -1,11 +1,11 @@
 """One training batch of a pipeline as ONE dataflow graph: forwards, backwards, gradient sums.
 
 Every micro-batch forward and backward of every stage becomes a group of ops placed on its
-stage's device (`tf.device`) and named `pipeline/s{stage}_{F|B}{microbatch}` (the profiler
+stage's device (`tf.device`) and named by `schedules.op_name` (`pipeline/s1_B3`; the profiler
 timeline finds them by that name). Groups are linked only by
 
 - data: activations flow forward, gradients backward, between neighbouring stages;
-- the schedule's same-stage waits (`_schedule.control_dependencies`), which bound the live
+- the schedule's same-stage waits (`schedules.control_dependencies`), which bound the live
   activations (1F1B) or make the flush (GPipe).
 
 Nothing else orders them, so TensorFlow's executor runs groups of different stages at the
@@ -17,9 +17,12 @@ and variables, the same chain rule as one tape over the whole model.
 
 import tensorflow as tf
 
-from tfscale.strategies import _pipeline_keras, _schedule
+from tfscale.compat import tf_graph_edit
+from tfscale.strategies._devices import device_type
+from tfscale.strategies.pipeline import schedules
+from tfscale.strategies.pipeline.schedules import Kind, Op
 
-__all__ = ["Stage", "forward_only", "run_batch", "scope_name"]
+__all__ = ["Stage", "forward_only", "run_batch"]
 
 
 class Stage:
@@ -31,6 +34,8 @@ class Stage:
         self.device = device
         self.recompute = recompute
         self.serial = serial
+        # The transposed-weight rewrite helps Eigen's CPU MatMul only (see tf_graph_edit).
+        self.pretranspose = device_type(device) == "CPU"
 
     @property
     def trainable_variables(self):
@@ -46,11 +51,6 @@ class Stage:
             # Keeps only the stage input; the backward re-runs the forward for the rest.
             return tf.recompute_grad(run)(x)
         return run(x)
-
-
-def scope_name(step):
-    """The name scope of a step's ops, e.g. `pipeline/s1_B3` (parsed back by the timeline)."""
-    return f"pipeline/s{step.stage}_{step.kind}{step.microbatch}"
 
 
 def _differentiable(x):
@@ -69,10 +69,10 @@ class _Batch:
         self.inputs = inputs
         self.loss_fn = loss_fn
         self.num_stages = len(stages)
-        self.orders = _schedule.order(schedule, self.num_stages, len(inputs))
+        self.orders = schedules.order(schedule, self.num_stages, len(inputs))
         self.waits = {}
         for stage, stage_order in zip(stages, self.orders):
-            self.waits.update(_schedule.control_dependencies(stage_order, strict=stage.serial))
+            self.waits.update(schedules.control_dependencies(stage_order, strict=stage.serial))
         self.done = {}
         self.gradients = [None] * self.num_stages
         self.transposes = {}
@@ -80,20 +80,20 @@ class _Batch:
     def emit(self, step):
         if step in self.done:
             return
-        for dep in _schedule.data_dependencies(step, self.num_stages) + self.waits[step]:
+        for dep in schedules.data_dependencies(step, self.num_stages) + self.waits[step]:
             self.emit(dep)
         stage = self.stages[step.stage]
         serial = stage.serial and not tf.executing_eagerly()
         waits = list(self.waits[step])
-        if serial and step.kind == "B":
-            waits.append(_schedule.Step(step.stage, "F", step.microbatch))  # F all done, as on a stream
+        if serial and step.kind == Kind.BACKWARD:
+            waits.append(Op(step.stage, Kind.FORWARD, step.microbatch))  # F all done, as on a stream
         gate = [t for dep in waits for t in self.done[dep]["gate"]]
         graph = tf.compat.v1.get_default_graph() if serial else None
         first = len(graph.get_operations()) if serial else 0
-        with tf.device(stage.device), tf.name_scope(scope_name(step)), tf.control_dependencies(gate):
-            self.done[step] = self._forward(step) if step.kind == "F" else self._backward(step)
+        with tf.device(stage.device), tf.name_scope(schedules.op_name(step)), tf.control_dependencies(gate):
+            self.done[step] = self._forward(step) if step.kind == Kind.FORWARD else self._backward(step)
         if serial:
-            last = _pipeline_keras.chain_in_creation_order(graph.get_operations()[first:])
+            last = tf_graph_edit.chain_in_creation_order(graph.get_operations()[first:])
             self.done[step]["gate"] += [] if last is None else [last]
 
     def _forward(self, step):
@@ -101,7 +101,7 @@ class _Batch:
         if step.stage == 0:
             x = self.inputs[step.microbatch]
         else:
-            x = self.done[_schedule.Step(step.stage - 1, "F", step.microbatch)]["y"]
+            x = self.done[Op(step.stage - 1, Kind.FORWARD, step.microbatch)]["y"]
         with tf.GradientTape() as tape:
             if _differentiable(x):
                 tape.watch(x)
@@ -112,19 +112,20 @@ class _Batch:
 
     def _backward(self, step):
         s, i = step.stage, step.microbatch
-        forward = self.done[_schedule.Step(s, "F", i)]
+        forward = self.done[Op(s, Kind.FORWARD, i)]
         if s == self.num_stages - 1:
             target, upstream = forward["loss"], None
         else:
-            target, upstream = forward["y"], self.done[_schedule.Step(s + 1, "B", i)]["dx"]
+            target, upstream = forward["y"], self.done[Op(s + 1, Kind.BACKWARD, i)]["dx"]
         variables = self.stages[s].trainable_variables
         needs_dx = s > 0 and _differentiable(forward["x"])
         sources = ([forward["x"]] if needs_dx else []) + variables
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        rewrite = self.stages[s].pretranspose and not tf.executing_eagerly()
+        graph = tf.compat.v1.get_default_graph() if rewrite else None
         first = 0 if graph is None else len(graph.get_operations())
         grads = forward["tape"].gradient(target, sources, output_gradients=upstream)
         if graph is not None:
-            _pipeline_keras.pretranspose_matmul_weights(graph.get_operations()[first:], self.transposes)
+            tf_graph_edit.pretranspose_matmul_weights(graph.get_operations()[first:], self.transposes)
         dx = grads[0] if needs_dx else None
         grads = [
             tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
@@ -142,7 +143,7 @@ def run_batch(stages, schedule, inputs, loss_fn):
 
     Args:
         stages: the list of `Stage`.
-        schedule: "gpipe" or "1f1b".
+        schedule: a name in `schedules.SCHEDULES`.
         inputs: the list of M micro-batches of the first stage's input.
         loss_fn: `loss_fn(i, y_pred_i)` -> the scalar this micro-batch adds to the loss to
             differentiate (already weighted and, if needed, scaled for the optimizer).
@@ -156,7 +157,7 @@ def run_batch(stages, schedule, inputs, loss_fn):
         for step in stage_order:
             batch.emit(step)
     last = len(stages) - 1
-    finals = [batch.done[_schedule.Step(last, "F", i)] for i in range(len(inputs))]
+    finals = [batch.done[Op(last, Kind.FORWARD, i)] for i in range(len(inputs))]
     return [f["y"] for f in finals], [f["loss"] for f in finals], batch.gradients
 
 
@@ -166,7 +167,7 @@ def forward_only(stages, inputs, training=False):
     for i, x in enumerate(inputs):
         y = x
         for stage in stages:
-            with tf.device(stage.device), tf.name_scope(f"pipeline/s{stage.index}_F{i}"):
+            with tf.device(stage.device), tf.name_scope(schedules.op_name(Op(stage.index, Kind.FORWARD, i))):
                 y = stage.call(y, training=training)
         outputs.append(y)
     return outputs

@@ -1,0 +1,52 @@
+"""Optimizer slot variables on their model variable's device (Keras 3, TF backend).
+
+Upstream gap: Keras's TF optimizer creates slots (Adam's momentum and velocity, SGD's
+momentum) under the distribution strategy's `colocate_vars_with`, which the default
+strategy ignores. Built eagerly they happen to follow their variable; built where `fit`
+builds them, in the first traced step, every slot lands on the default device: a pipeline or
+model split would hold all optimizer state on device 0, doubling or tripling its memory.
+No public option chooses the slot device; `add_variable_from_reference` is the
+optimizer's public hook for slots, so it is wrapped on the one optimizer instance.
+
+Checked on Keras 3.15.1 / TensorFlow 2.21 (the gap exists in Keras 3.0-3.15).
+Gate: `needed()`; `tests/test_compat_strategies.py` fails when a Keras version places
+slots with their variables by itself (then set `_FIXED_IN`).
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+
+from tfscale.compat.keras_multi_worker import _version_tuple
+
+__all__ = ["needed", "place_slots_with_variables"]
+
+# The first Keras version that places slots with their variables (None: not fixed yet).
+_FIXED_IN = None
+_MARK = "_tfscale_placed_slots"
+
+
+def needed(version=None):
+    """True when this Keras version creates slots on the default device."""
+    version = _version_tuple(version or keras.__version__)
+    return _FIXED_IN is None or version < _version_tuple(_FIXED_IN)
+
+
+def place_slots_with_variables(optimizer):
+    """Makes `optimizer` create each slot variable on the device of its model variable.
+
+    Idempotent; a no-op where upstream is fixed.
+    """
+    original = optimizer.add_variable_from_reference
+    if not needed() or getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def placed(reference_variable, *args, **kwargs):
+        with tf.device(getattr(reference_variable, "value", reference_variable).device):
+            return original(reference_variable, *args, **kwargs)
+
+    setattr(placed, _MARK, True)
+    # The optimizer tracks attributes it is given; a bound hook is not state, so bypass that.
+    object.__setattr__(optimizer, "add_variable_from_reference", placed)

@@ -79,7 +79,7 @@ def _build(name, schedule, options, args, data):
     row = {"run": name, "schedule": schedule or "-", "M": options.get("num_microbatches", "-")}
     if schedule is not None:
         options = {"num_stages": 2, "schedule": schedule, "balance": "parameters", **options}
-        model = PipelineStrategy(**options).wrap(model)
+        model = PipelineStrategy(**options).split(model)
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=False)
     model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)  # Traces the graph.
     return model, row

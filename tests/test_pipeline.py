@@ -313,6 +313,7 @@ def test_tfscale_backup_of_a_finished_run_restores_into_a_new_pipelined_model(tm
     second.set_weights([w + 1.0 for w in second.get_weights()])  # Only a restore can undo this.
     history = second.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[backup])
     assert history.history == {}  # Both epochs were restored, none re-run.
+    assert len(second.get_weights()) == len(first.get_weights()) == 8  # 4 Dense: kernel, bias
     for a, b in zip(second.get_weights(), first.get_weights()):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(second.optimizer.variables, first.optimizer.variables):

@@ -19,11 +19,12 @@ _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 class _Plan:
     """The stages and schedule; a plain object so Keras does not track the layers twice."""
 
-    def __init__(self, stages, schedule, num_microbatches, partition):
+    def __init__(self, stages, schedule, num_microbatches, partition, origin):
         self.stages = stages
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.partition = partition
+        self.origin = origin  # how to rebuild the user's model (`PipelineStrategy.merge`)
 
 
 def _split_even(x, parts):
@@ -77,10 +78,10 @@ class PipelinedModel(keras.Model):
     work as for any Keras model; the weights files are those of the unsplit model.
     """
 
-    def __init__(self, unsplit_model, stages, schedule, num_microbatches, partition):
+    def __init__(self, unsplit_model, stages, schedule, num_microbatches, partition, *, origin=None):
         super().__init__(name=f"{unsplit_model.name}_pipelined")
         self.unsplit_model = unsplit_model
-        self._plan = _Plan(stages, schedule, num_microbatches, partition)
+        self._plan = _Plan(stages, schedule, num_microbatches, partition, origin)
         self.built = True
 
     @property

@@ -161,9 +161,8 @@ class PipelineStrategy:
         # files load into it), made of the placed copies.
         unsplit = keras.models.clone_model(model, clone_function=lambda layer: by_layer[id(layer)])
         stages = self._stages(copies, counts)
-        pipelined = PipelinedModel(unsplit, stages, self.schedule, self.num_microbatches, partition)
-        pipelined._origin = _parts.Origin(model)
-        return pipelined
+        origin = _parts.Origin(model)
+        return PipelinedModel(unsplit, stages, self.schedule, self.num_microbatches, partition, origin=origin)
 
     wrap = split  # The first name of `split`, kept for callers.
 
@@ -173,13 +172,13 @@ class PipelineStrategy:
         Raises:
             StrategyError: `pipelined` was not returned by a `PipelineStrategy.split`.
         """
-        origin = getattr(pipelined, "_origin", None)
-        if origin is None:
+        plan = getattr(pipelined, "_plan", None)
+        if plan is None or plan.origin is None:
             raise StrategyError(
                 f"Invalid value for argument `pipelined`: model {getattr(pipelined, 'name', pipelined)!r} "
                 "was not returned by PipelineStrategy.split(). Expected the model split() returned."
             )
-        return _parts.merge(origin, pipelined.unsplit_model)
+        return _parts.merge(plan.origin, pipelined.unsplit_model)
 
     def report(self, pipelined):
         """Per device, read from each variable's device: layers, params and param bytes."""

@@ -26,6 +26,8 @@ TRAIN = os.path.join(BIN, "tfscale-train")
 LAUNCH = os.path.join(BIN, "tfscale-launch")
 FLAGFILES = os.path.join(REPO, "flagfiles")
 TIMEOUT = 400
+# A one-task cluster: --tf_config names this process's task without starting a multi-worker job.
+ONE_TASK = json.dumps({"cluster": {"worker": ["localhost:2222"]}, "task": {"type": "worker", "index": 0}})
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +101,13 @@ def test_strategy_flags_and_the_transformer_on_two_replicas(data_dir, tmp_path):
             "--model=transformer", "--optimizer=adamw", "--learning_rate=0.001", "--lr_scaling=linear",
             "--mixed_precision=mixed_float16", "--per_replica_batch_size=8", "--steps_per_epoch=4",
             "--epochs=2", "--lr_warmup_epochs=2", "--seed=3", "--shuffle_buffer=64", f"--data_dir={data_dir}",
-            f"--model_dir={model_dir}",
+            f"--model_dir={model_dir}", f"--tf_config={ONE_TASK}",
         ],
         data_dir,
     )  # fmt: skip
     result = _result(proc.stdout)
     assert result["strategy"] == "mirrored (MirroredStrategy)" and result["num_replicas"] == 2
+    assert (result["task"], result["num_workers"], result["is_chief"]) == ("worker:0", 1, True)
     assert (result["global_batch_size"], result["steps_per_epoch"]) == (16, 4)  # 8 per replica x 2
     # Linear scaling with warmup: from 0.001 to 0.001 x 2 replicas over 2 epochs of 4 steps.
     np.testing.assert_allclose(result["history"]["learning_rate"], [0.0015, 0.002], rtol=1e-5)

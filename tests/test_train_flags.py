@@ -118,6 +118,21 @@ def test_strategy_flags_and_the_transformer_on_two_replicas(data_dir, tmp_path):
     assert _dtype_policies(config) == {"mixed_float16", "float32"}
 
 
+def test_steps_per_execution_under_mirrored_is_one_clear_error(data_dir, tmp_path):
+    # Keras 3.15.1 crashes in fit there (keras-team/keras#19246): tfscale-train says so in one line.
+    command = [TRAIN, "--strategy=mirrored", "--cpu_replicas=2", "--steps_per_execution=2", "--epochs=1"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TFSCALE_DATA_DIR=data_dir)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("tfscale-train: error:")]
+    assert errors == [
+        "tfscale-train: error: `steps_per_execution=2` cannot run under strategy 'mirrored' with 2 replicas "
+        "(Keras 3 fails in fit: keras-team/keras#19246). "
+        "Expected steps_per_execution=1 there, or one replica."
+    ]
+    assert "Traceback" not in proc.stderr
+
+
 def _flagfile_run(name, data_dir, cwd):
     return _result(_run([TRAIN, f"--flagfile={os.path.join(FLAGFILES, name)}"], data_dir, cwd).stdout)
 

@@ -7,6 +7,7 @@ that takes more than a few seconds, which would count as a hang).
 
 import contextlib
 import json
+import os
 import signal
 
 import pytest
@@ -14,6 +15,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tfscale.cluster import TASK_TYPES, ClusterSpec, ClusterSpecError
+
+# Under CI=true every run draws the same examples (seeded from each test's name), so a red
+# build is reproducible and never depends on luck; elsewhere each run explores new inputs.
+# Said here, not left to Hypothesis's own CI detection (only in recent versions).
+settings.register_profile("tfscale-ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI", "").lower() == "true":
+    settings.load_profile("tfscale-ci")
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HANG_SECONDS = 5
@@ -228,9 +236,25 @@ tasks_per_node = st.one_of(
 numbers = st.one_of(st.integers(-2, 12).map(str), st.text(max_size=4), st.just(""))
 
 
+def _known_slurm_answer(nodes, counts, distribution, procid, port):
+    """The workers and this task's index Slurm's layout gives, or None where `port` cannot hold it.
+
+    Written from Slurm's documentation, not from tfscale: "block" fills each node with
+    consecutive ranks, nodes in node-list order; "cyclic" deals ranks one per node in turn,
+    skipping full nodes. A node's tasks listen on consecutive ports from `port`.
+    """
+    if not 1 <= port or port + max(counts) - 1 > 65535:
+        return None
+    if distribution == "cyclic":
+        slots = [(n, i) for i in range(max(counts)) for n in range(len(nodes)) if i < counts[n]]
+    else:
+        slots = [(n, i) for n in range(len(nodes)) for i in range(counts[n])]
+    return ClusterSpec({"worker": [f"{nodes[n]}:{port + i}" for n, i in slots]}, "worker", procid)
+
+
 @st.composite
-def slurm_envs(draw):
-    """A consistent Slurm step or job environment, then one variable garbled or dropped (or none)."""
+def consistent_slurm_envs(draw):
+    """A consistent Slurm step or job environment, and the facts that determine its answer."""
     groups = draw(
         st.lists(st.tuples(st.sampled_from(["node", "gpu-a", "n"]), st.integers(0, 120)), min_size=1)
     )
@@ -242,12 +266,24 @@ def slurm_envs(draw):
         if step
         else ("SLURM_JOB_NODELIST", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS")
     )
+    procid = draw(st.integers(0, sum(counts) - 1))
     env = {
         names[0]: ",".join(f"{n[:-3]}[{n[-3:]}]" if draw(st.booleans()) else n for n in nodes),
         names[1]: ",".join(f"{c}(x1)" if draw(st.booleans()) else str(c) for c in counts),
         names[2]: str(sum(counts)),
-        "SLURM_PROCID": str(draw(st.integers(0, sum(counts) - 1))),
+        "SLURM_PROCID": str(procid),
     }
+    distribution = draw(st.sampled_from([None, "block", "cyclic", "cyclic:block", "block:cyclic"]))
+    if distribution is not None:
+        env["SLURM_DISTRIBUTION"] = distribution
+    node_level = (distribution or "block").split(":")[0]
+    return env, (nodes, counts, node_level, procid)
+
+
+@st.composite
+def slurm_envs(draw):
+    """A consistent Slurm environment, then one variable garbled or dropped (or none)."""
+    env, _ = draw(consistent_slurm_envs())
     victim = draw(st.sampled_from([None, *env]))
     if victim is not None:
         mutation = draw(st.sampled_from(["drop", "nodelist", "tasks", "number"]))
@@ -256,6 +292,19 @@ def slurm_envs(draw):
         else:
             env[victim] = draw({"nodelist": nodelists, "tasks": tasks_per_node, "number": numbers}[mutation])
     return env
+
+
+@FUZZ
+@given(consistent_slurm_envs(), ports)
+def test_consistent_slurm_variables_give_the_known_cluster(environ_and_facts, port):
+    environ, facts = environ_and_facts
+    want = _known_slurm_answer(*facts, port)
+    with no_hang():
+        if want is None:
+            with pytest.raises(ClusterSpecError, match=r"`port`"):
+                ClusterSpec.from_slurm(environ, port=port)
+            return
+        assert ClusterSpec.from_slurm(environ, port=port) == want
 
 
 @FUZZ

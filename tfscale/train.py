@@ -265,6 +265,26 @@ def _build_model(config, strategy, info, learning_rate):
     return model
 
 
+def _check_steps_per_execution(config, strategy):
+    """Raises `TrainError` for steps_per_execution > 1 under a multi-replica MirroredStrategy."""
+    # One line instead of a crash in `fit`: Keras 3 (to at least 3.15.1) cannot run several steps
+    # per execution there ("You must feed a value for placeholder tensor ... while/cond";
+    # keras-team/keras#19246, open). Seen here with TF 2.21, stock Keras and with tfscale.compat.
+    import tensorflow as tf
+
+    replicas = strategy.num_replicas_in_sync
+    if (
+        config.steps_per_execution > 1
+        and replicas > 1
+        and isinstance(strategy, tf.distribute.MirroredStrategy)
+    ):
+        raise TrainError(
+            f"`steps_per_execution={config.steps_per_execution}` cannot run under strategy "
+            f"'mirrored' with {replicas} replicas (Keras 3 fails in fit: keras-team/keras#19246). "
+            "Expected steps_per_execution=1 there, or one replica."
+        )
+
+
 def _save(model, config, result_fields):
     """Writes `model.keras` and `summary.json` under `model_dir`, each atomically (chief only)."""
     os.makedirs(config.model_dir, exist_ok=True)
@@ -300,6 +320,7 @@ def train(config):
     name, strategy = _make_strategy(config)
     name = f"{name} ({type(strategy).__name__})"
     replicas = strategy.num_replicas_in_sync
+    _check_steps_per_execution(config, strategy)
     is_chief = _is_chief(config.cluster)
     keras.mixed_precision.set_global_policy(config.mixed_precision)
     # tf.data combines an op's seed with the global seed: fix both before the datasets exist.

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from absl import flags
 
+from tfscale import _quiet
 from tfscale import flags as tfscale_flags
 
 __all__ = [
@@ -413,6 +414,7 @@ def run(argv=None):
         return 2
     # TensorFlow's C++ INFO/WARNING lines would bury the one-line errors and the summary.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    _quiet.import_tensorflow()
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     _log.addHandler(handler)

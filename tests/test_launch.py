@@ -255,6 +255,7 @@ def test_keras_compat_shim_keeps_a_users_own_sitecustomize(marker, tmp_path):
         (["--hosts", "bad host!", "--", "true"], {}, "workers[0]"),
         (["--hostfile", "/nonexistent/hosts", "--", "true"], {}, "/nonexistent/hosts"),
         (["--num_workers", "2", "python", "-c", "1"], {}, "Unknown command line flag 'c'"),
+        (["--num_workers", "2", "true"], {}, "expected `--` before the command, e.g. `tfscale-launch [flags] -- true`"),  # noqa: E501
         (["--slurm", "--", "true"], {"SLURM_JOB_ID": ""}, "needs a Slurm allocation"),
         (["--slurm", "--", "true"], {"SLURM_JOB_ID": "7", "PATH": "/nonexistent"}, "needs `srun` on PATH"),
         (["--", "/nonexistent/program"], {}, "`COMMAND`. Received: '/nonexistent/program'"),

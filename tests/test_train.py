@@ -330,3 +330,25 @@ def test_killed_then_resumed_run_is_quiet_and_says_what_ran(tmp_path):
     assert "tfscale: resumed from ckpt-000000000030 (epoch 1, step 6; global step 30)" in resumed
     assert "resumed at step 30 of 48: trained the remaining 18 steps in " in resumed, resumed
     assert "trained 2 epochs" not in resumed
+
+
+@pytest.mark.slow
+def test_under_the_launcher_each_task_prints_prefixed_progress_lines(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPP")}
+    env["TFSCALE_DATA_DIR"] = str(tmp_path / "tfds")  # prepared here: TFDS would draw progress bars
+    launcher = os.path.join(os.path.dirname(sys.executable), "tfscale-launch")
+    run = subprocess.run(
+        [launcher, "--num_workers", "2", "--", TRAIN_BIN, "--epochs=1"],
+        capture_output=True,
+        env=env,
+        timeout=400,
+        check=False,
+    )
+    out = (run.stdout + run.stderr).decode()
+    assert run.returncode == 0, out[-3000:]
+    assert "\r" not in out and "\b" not in out, repr(out[-1000:])
+    assert not [line for line in out.splitlines() if any(n in line for n in NOISE)], out[-3000:]
+    # Keras's epoch line (verbose=2: steps, time, loss, examples/s) from the chief only.
+    progress = [line for line in out.splitlines() if line.startswith("[worker:0] 24/24 - ")]
+    assert len(progress) == 1 and "loss:" in progress[0] and "examples_per_sec:" in progress[0], out
+    assert not [line for line in out.splitlines() if line.startswith("[worker:1] 24/24")]

@@ -10,6 +10,7 @@ so per-worker file sharding (`tfds.ReadConfig(input_context=...)`) is exercised.
 import contextlib
 import fcntl
 import gzip
+import logging
 import os
 from typing import ClassVar
 
@@ -21,6 +22,7 @@ __all__ = ["NUM_FILE_SHARDS", "TRAIN_EXAMPLES", "TfscaleDigits", "csv_path", "pr
 
 TRAIN_EXAMPLES = 1536  # rows 0..1535; divisible by 2..4 workers x common batch sizes
 NUM_FILE_SHARDS = 4  # file shards per split, so file sharding works for up to 4 workers
+_log = logging.getLogger("tfscale")
 
 
 def csv_path():
@@ -70,6 +72,14 @@ class TfscaleDigits(tfds.core.GeneratorBasedBuilder):
             license="CC BY 4.0",
         )
 
+    # TFDS prints "Downloading and preparing dataset Unknown size (download: Unknown size, ...)"
+    # and a "prepared" banner to stdout; nothing is downloaded here, so say what happens instead.
+    def _log_download_bytes(self):
+        _log.info("preparing the bundled digits dataset in %s (once)", self.data_dir)
+
+    def _log_download_done(self):
+        pass
+
     def _split_generators(self, dl_manager):
         del dl_manager  # Bundled data: nothing to download.
         pixels, labels = read_csv()
@@ -101,7 +111,22 @@ def prepare(data_dir):
     with _lock(data_dir):
         builder = TfscaleDigits(data_dir=data_dir)
         if not builder.is_prepared():
-            builder.download_and_prepare(
-                download_config=tfds.download.DownloadConfig(num_shards=NUM_FILE_SHARDS)
-            )
+            with _no_progress_bars():
+                builder.download_and_prepare(
+                    download_config=tfds.download.DownloadConfig(num_shards=NUM_FILE_SHARDS)
+                )
     return builder
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    # TFDS draws tqdm bars (carriage returns, cursor moves) for a second of work on 1797
+    # rows; the user's own setting (tfds.display_progress_bar) is put back afterwards.
+    from tensorflow_datasets.core.utils import tqdm_utils
+
+    was = getattr(tqdm_utils, "_active", True)
+    tfds.display_progress_bar(False)
+    try:
+        yield
+    finally:
+        tfds.display_progress_bar(was)

@@ -195,7 +195,9 @@ def load(
     if cache is None:
         cache = not source.in_memory and source.size_bytes <= CACHE_LIMIT_BYTES
     policy, reason = _choose_sharding(sharding, source, num_workers, bool(cache) or source.in_memory)
-    _log.info("dataset %s/%s: sharding=%s (%s)", name, split, policy, reason)
+    # Worth a line when there are workers to shard over; with one it is always "none".
+    level = logging.INFO if num_workers > 1 else logging.DEBUG
+    _log.log(level, "dataset %s/%s: sharding=%s (%s)", name, split, policy, reason)
 
     context = None
     if policy == "files":

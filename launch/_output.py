@@ -3,13 +3,24 @@
 Each task's stdout+stderr arrive on one pipe; a reader thread per task copies
 whole lines, so lines of different tasks never interleave mid-line. The time of
 a task's last line is kept for the launcher's silence ("heartbeat") rule.
+
+Progress bars (Keras's `Progbar`, which redraws with backspaces and a carriage return
+even into a pipe; tqdm) would arrive as one huge line of redraws per epoch. Here a
+carriage return ends a *progress* line: its backspaces and colour codes are dropped and
+at most one progress line per `PROGRESS_INTERVAL` seconds is passed on (always the
+last state before a newline), as torchrun/Horovod users see in their logs.
 """
 
 import os
+import re
 import threading
 import time
 
-__all__ = ["OutputPump"]
+__all__ = ["PROGRESS_INTERVAL", "OutputPump"]
+
+PROGRESS_INTERVAL = 10.0  # seconds between two progress lines of one task
+_LINE_END = re.compile(rb"\r\n|\n|\r")
+_REDRAW = re.compile(rb"\x08|\x1b\[[0-9;]*[A-Za-z]")  # backspaces, colours, cursor moves
 
 
 class OutputPump:
@@ -21,9 +32,10 @@ class OutputPump:
             (":" in names becomes "-"), appended across restarts.
     """
 
-    def __init__(self, sink, log_dir=None):
+    def __init__(self, sink, log_dir=None, progress_interval=PROGRESS_INTERVAL):
         self._sink = sink
         self._log_dir = log_dir
+        self._progress_interval = progress_interval
         self._lock = threading.Lock()
         self._threads = []
         self._last_line = {}
@@ -60,20 +72,38 @@ class OutputPump:
                 log.write(header.encode() + b"\n")
                 log.flush()
         prefix = f"[{name}] ".encode()
+
+        def emit(line):
+            if log is not None:
+                log.write(line + b"\n")
+                log.flush()
+            else:
+                self._write(prefix + line + b"\n")
+
         try:
-            for raw in iter(pipe.readline, b""):
-                self._last_line[name] = time.monotonic()
-                # ssh -tt turns "\n" into "\r\n"; keep one line ending.
-                line = raw.rstrip(b"\r\n") + b"\n"
-                if log is not None:
-                    log.write(line)
-                    log.flush()
-                else:
-                    self._write(prefix + line)
+            self._copy_lines(name, pipe, emit)
         finally:
             pipe.close()
             if log is not None:
                 log.close()
+
+    def _copy_lines(self, name, pipe, emit):
+        progress = _Progress(emit, self._progress_interval)
+        buffer = b""
+        while True:
+            chunk = pipe.read1(65536)
+            buffer += chunk
+            # ssh -tt turns "\n" into "\r\n": a trailing "\r" waits for the next chunk.
+            usable = buffer[:-1] if chunk and buffer.endswith(b"\r") else buffer
+            start = 0
+            for end in _LINE_END.finditer(usable):
+                self._last_line[name] = time.monotonic()
+                progress.feed(buffer[start : end.start()], redraw=end.group() == b"\r")
+                start = end.end()
+            buffer = buffer[start:]
+            if not chunk:
+                break
+        progress.close(buffer)
 
     def _write(self, data):
         with self._lock:
@@ -82,3 +112,36 @@ class OutputPump:
                 self._sink.flush()
             except (BrokenPipeError, ValueError):
                 pass  # The reader of our stdout went away; keep supervising anyway.
+
+
+class _Progress:
+    """Turns one task's output pieces into lines: redraws (ended by a lone "\\r") are throttled."""
+
+    def __init__(self, emit, interval):
+        self._emit = emit
+        self._interval = interval
+        self._last = float("-inf")
+        self._pending = None  # the newest redraw not passed on yet
+        self._redrawing = False
+
+    def feed(self, text, redraw):
+        if self._redrawing or b"\x08" in text:
+            text = _REDRAW.sub(b"", text)
+        if not redraw:  # a line: plain text, or a progress bar's last state
+            self._emit(text)
+            self._pending, self._redrawing = None, False
+            return
+        self._redrawing = True
+        if not text.strip():
+            return
+        if time.monotonic() - self._last >= self._interval:
+            self._emit(text)
+            self._last, self._pending = time.monotonic(), None
+        else:
+            self._pending = text
+
+    def close(self, rest):
+        if rest:
+            self.feed(rest, redraw=False)
+        elif self._pending is not None:
+            self._emit(self._pending)

@@ -150,11 +150,20 @@ def parse(argv, fv):
         print(__doc__.split("\n\n")[0] + "\n\n" + fv.get_help())
         return 0
     try:
-        return fv(argv)
+        parsed = fv(argv)
     except flags.Error as e:
         hint = "" if "--" in argv else " (put `--` between the flags and the command)"
         print(f"tfscale-launch: error: {e}{hint}", file=sys.stderr)
         return 2
+    if "--" not in argv and parsed[1:]:
+        # Without it, a command's own flags would be read as ours (or refused as unknown).
+        print(
+            f"tfscale-launch: error: expected `--` before the command, "
+            f"e.g. `tfscale-launch [flags] -- {' '.join(parsed[1:])}`",
+            file=sys.stderr,
+        )
+        return 2
+    return parsed
 
 
 def run(argv=None):

@@ -207,7 +207,8 @@ class Supervisor:
         procs = {}
         header = f"--- tfscale-launch: attempt {attempt} of {total} ({time.strftime('%Y-%m-%d %H:%M:%S')})"
         self._say(
-            f"attempt {attempt} of {total}: starting {len(tasks)} tasks: {' '.join(t.name for t in tasks)}"
+            f"attempt {attempt} of {total}: starting {len(tasks)} task{'s' if len(tasks) > 1 else ''}: "
+            f"{' '.join(t.name for t in tasks)}"
         )
         failure = None
         try:

@@ -67,7 +67,11 @@ def _mirrored(*, devices=None, num_gpus=None, cross_device_ops=None, cpu_replica
         if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or not 0 < num_gpus <= available:
             raise StrategyError(
                 f"Invalid value for argument `num_gpus`. Received: num_gpus={num_gpus!r}. "
-                f"Expected an integer from 1 to the {available} GPU(s) visible here."
+                + (
+                    f"Expected an integer from 1 to {available}, the GPUs visible here."
+                    if available
+                    else "Expected no `num_gpus`: no GPU is visible here (use `cpu_replicas` on a CPU)."
+                )
             )
         devices = [f"/gpu:{i}" for i in range(num_gpus)]
     if cpu_replicas is not None:

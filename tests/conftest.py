@@ -6,7 +6,11 @@ before any test touches TensorFlow. In-process tests use the first N of these 4 
 subprocesses started by `tfscale.launch.run_local_cluster`.
 """
 
+import atexit
 import os
+import sys
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -14,3 +18,32 @@ import tfscale.strategies
 
 NUM_TEST_CPUS = 4
 tfscale.strategies.split_cpu(NUM_TEST_CPUS)
+
+
+# Without this, pytest prints its summary and then sits silent for 1-3 minutes: tests that
+# interrupt `fit` (injected faults, SIGTERM) leave tf.data iterators alive in reference
+# cycles (a caught exception's traceback keeps `fit`'s frames), and destroying such an
+# iterator blocks in `~RootDataset::Iterator` until its autotuning thread's
+# `Model::OptimizeLoop` wakes from a timed wait of up to a minute (TF 2.21; the cancellation
+# does not wake it). The final garbage collection destroys them one after another. Nothing
+# is left to do once pytest has returned its exit status, so the process ends right there.
+_SESSION = pytest.StashKey()
+
+
+def pytest_sessionfinish(session):
+    session.config.stash[_SESSION] = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    # Only the `pytest` command: a program that calls pytest.main() keeps its own exit.
+    session = config.stash.get(_SESSION, None)
+    if session is not None and os.path.basename(sys.argv[0]) in ("pytest", "py.test"):
+        # Registered last, so it runs first at exit, after pytest's own clean-up.
+        atexit.register(_exit_now, int(session.exitstatus))
+
+
+def _exit_now(status):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

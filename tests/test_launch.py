@@ -17,8 +17,9 @@ from unittest import mock
 
 import pytest
 import tensorflow as tf
-from _launch_util import leftovers, new_marker, run_launcher, start_launcher
+from _launch_util import LAUNCHER, _env, leftovers, new_marker, run_launcher, start_launcher
 
+from tfscale._quiet import is_startup_noise
 from tfscale.cluster import ClusterSpec
 from tfscale.launch import _remote, jobs
 from tfscale.launch.supervisor import LaunchError
@@ -255,6 +256,7 @@ def test_keras_compat_shim_keeps_a_users_own_sitecustomize(marker, tmp_path):
         (["--hosts", "bad host!", "--", "true"], {}, "workers[0]"),
         (["--hostfile", "/nonexistent/hosts", "--", "true"], {}, "/nonexistent/hosts"),
         (["--num_workers", "2", "python", "-c", "1"], {}, "Unknown command line flag 'c'"),
+        (["--num_workers", "2", "true"], {}, "expected `--` before the command, e.g. `tfscale-launch [flags] -- true`"),  # noqa: E501
         (["--slurm", "--", "true"], {"SLURM_JOB_ID": ""}, "needs a Slurm allocation"),
         (["--slurm", "--", "true"], {"SLURM_JOB_ID": "7", "PATH": "/nonexistent"}, "needs `srun` on PATH"),
         (["--", "/nonexistent/program"], {}, "`COMMAND`. Received: '/nonexistent/program'"),
@@ -355,3 +357,34 @@ def test_slurm_task_execs_the_command_with_the_tf_config_of_its_rank(marker):
     assert json.loads(out) == reference.to_tf_config(reference.task_type, reference.task_index)
     assert json.loads(out)["task"] == {"type": "worker", "index": 3}
     assert json.loads(out)["cluster"]["worker"][3] == "node2:2401"
+
+
+# Keras's own progress bar, as a user's `fit(verbose=1)` draws it into the launcher's pipe.
+PROGBAR = """
+import sys, time
+from keras.utils import Progbar
+bar = Progbar(40, interval=0.01)
+for step in range(1, 41):
+    time.sleep(0.02)
+    bar.update(step, [("loss", 1.0 / step)])
+print("done")
+"""
+
+
+def test_progress_bars_become_throttled_prefixed_lines(marker, tmp_path):
+    run = subprocess.run(
+        [LAUNCHER, "--num_workers", "1", "--", sys.executable, "-c", PROGBAR],
+        env=_env(marker, None),
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    out = run.stdout.decode()
+    assert not {"\r", "\b", "\x1b"} & set(out), repr(out[:300])
+    lines = [line for line in out.splitlines() if not is_startup_noise(line[len("[worker:0] ") :])]
+    assert all(line.startswith("[worker:0] ") for line in lines), lines
+    # The first state at once, then at most one per PROGRESS_INTERVAL (10 s), and the last state.
+    assert 2 <= len(lines) <= 4, lines
+    assert lines[-2].startswith("[worker:0] 40/40 ") and "loss:" in lines[-2], lines
+    assert lines[-1] == "[worker:0] done"

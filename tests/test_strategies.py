@@ -109,7 +109,7 @@ def _closed_port():
             r"`devices`, `cpu_replicas` of strategy "
             r"'mirrored' exclude each other",
         ),
-        ("mirrored", {"num_gpus": 1}, r"num_gpus=1\. Expected an integer from 1 to the 0 GPU"),
+        ("mirrored", {"num_gpus": 1}, r"num_gpus=1\. Expected no `num_gpus`: no GPU is visible here"),
         (
             "mirrored",
             {"cross_device_ops": "ring"},

@@ -293,3 +293,62 @@ def test_linear_scaling_with_warmup_reaches_lr_times_replicas(data_dir):
     history = train(config).history
     # Ramp over 2 x 24 steps from 0.01 to 0.02: halfway (+24/48) after epoch 1, full after epoch 2.
     np.testing.assert_allclose(history["learning_rate"], [0.01 + 0.01 * 24 / 48, 0.02], rtol=1e-5)
+
+
+# Lines that say nothing about the job: TensorFlow's start-up lines, Keras's and TFDS's
+# notices for things tfscale itself does, setuptools' banner. None may reach the user.
+NOISE = (
+    "All log messages before absl::InitializeLog",
+    "oneDNN custom operations",
+    "Could not find cuda drivers",
+    "failed call to cuInit",
+    "`shuffle=True` was passed",
+    "Downloading and preparing dataset",
+    "Generating splits",
+    "Package would be ignored",
+    "Using CollectiveAllReduceStrategy eagerly",
+)
+TRAIN_BIN = os.path.join(os.path.dirname(sys.executable), "tfscale-train")
+
+
+@pytest.mark.slow
+def test_killed_then_resumed_run_is_quiet_and_says_what_ran(tmp_path):
+    # As a user runs it: fresh data dir (the bundled dataset gets prepared), no TF_CPP_* set.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPP")}
+    env["TFSCALE_DATA_DIR"] = str(tmp_path / "tfds")
+    argv = [TRAIN_BIN, "--epochs=2", f"--backup_dir={tmp_path / 'backup'}", "--backup_freq=10"]
+    runs = [
+        subprocess.run([*argv, "--fail_at_step=30"], capture_output=True, env=env, timeout=300, check=False),
+        subprocess.run(argv, capture_output=True, env=env, timeout=300, check=False),
+    ]
+    assert runs[0].returncode == -9 and runs[1].returncode == 0, runs[1].stderr[-2000:]
+    for run in runs:
+        out = (run.stdout + run.stderr).decode()
+        assert not [line for line in out.splitlines() if any(n in line for n in NOISE)], out[-3000:]
+        assert "\r" not in out and "\b" not in out, repr(out[-1000:])
+    resumed = runs[1].stdout.decode()
+    assert "tfscale: resumed from ckpt-000000000030 (epoch 1, step 6; global step 30)" in resumed
+    assert "resumed at step 30 of 48: trained the remaining 18 steps in " in resumed, resumed
+    assert "trained 2 epochs" not in resumed
+
+
+@pytest.mark.slow
+def test_under_the_launcher_each_task_prints_prefixed_progress_lines(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPP")}
+    env["TFSCALE_DATA_DIR"] = str(tmp_path / "tfds")  # prepared here: TFDS would draw progress bars
+    launcher = os.path.join(os.path.dirname(sys.executable), "tfscale-launch")
+    run = subprocess.run(
+        [launcher, "--num_workers", "2", "--", TRAIN_BIN, "--epochs=1"],
+        capture_output=True,
+        env=env,
+        timeout=400,
+        check=False,
+    )
+    out = (run.stdout + run.stderr).decode()
+    assert run.returncode == 0, out[-3000:]
+    assert "\r" not in out and "\b" not in out, repr(out[-1000:])
+    assert not [line for line in out.splitlines() if any(n in line for n in NOISE)], out[-3000:]
+    # Keras's epoch line (verbose=2: steps, time, loss, examples/s) from the chief only.
+    progress = [line for line in out.splitlines() if line.startswith("[worker:0] 24/24 - ")]
+    assert len(progress) == 1 and "loss:" in progress[0] and "examples_per_sec:" in progress[0], out
+    assert not [line for line in out.splitlines() if line.startswith("[worker:1] 24/24")]

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from absl import flags
 
+from tfscale import _quiet
 from tfscale import flags as tfscale_flags
 
 __all__ = [
@@ -92,6 +93,7 @@ class TrainResult:
     history: dict
     evaluation: dict
     model_path: Optional[str]
+    resumed_at_step: int = 0  # global step of the backup this run resumed from (0: a fresh start)
 
     def to_json(self):
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -372,6 +374,8 @@ def train(config):
         history=_floats(history.history),
         evaluation=_floats(evaluation),
     )
+    restored = [c.restored_from for c in callbacks if getattr(c, "restored_from", None)]
+    fields["resumed_at_step"] = restored[0]["global_step"] if restored else 0
     model_path = _save(model, config, fields) if is_chief and config.model_dir else None
     return TrainResult(**fields, model_path=model_path)
 
@@ -386,11 +390,17 @@ def summary_lines(result):
         else ""
     )
     evaluated = " ".join(f"{k}={v:.4f}" for k, v in sorted(e.items()))
+    total = result.epochs * result.steps_per_epoch
+    trained = f"trained {result.epochs} epochs x {result.steps_per_epoch} steps"
+    if result.resumed_at_step:  # Only the steps after the backup ran in this process.
+        trained = (
+            f"resumed at step {result.resumed_at_step} of {total}: trained the remaining "
+            f"{total - result.resumed_at_step} steps"
+        )
     return [
         f"strategy: {result.strategy}, replicas: {result.num_replicas}, workers: {result.num_workers}, "
         f"task: {result.task}, global batch: {result.global_batch_size}, sharding: {result.sharding}",
-        f"trained {result.epochs} epochs x {result.steps_per_epoch} steps in {result.seconds:.1f} s, "
-        f"{rate}{per_replica}",
+        f"{trained} in {result.seconds:.1f} s, {rate}{per_replica}",
         f"final train loss={h['loss'][-1]:.4f} accuracy={h['accuracy'][-1]:.4f}; {evaluated}",
     ]
 
@@ -434,6 +444,7 @@ def run(argv=None):
         return 2
     # TensorFlow's C++ INFO/WARNING lines would bury the one-line errors and the summary.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    _quiet.import_tensorflow()
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     _log.addHandler(handler)

@@ -229,11 +229,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         self.restored_from = meta
         _log.info(
-            "tfscale: restored %s: epoch %d, step %d (global step %d)",
-            backup.path,
+            "tfscale: resumed from %s (epoch %d, step %d; global step %d) in %s",
+            os.path.basename(backup.path),
             self._epoch,
             self._step,
             self._global_step,
+            os.path.dirname(backup.path),
         )
 
     # --- Keras callback hooks -------------------------------------------------------

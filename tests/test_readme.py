@@ -1,0 +1,322 @@
+"""Every code block of README.md, run as written in a fresh process (or listed below with why not).
+
+`SNIPPETS` is the fixture: for each block (found by a line it contains) what it needs that
+the README leaves to the reader -- names defined before it (`setup`), files in its working
+directory, stand-ins for programs that do not exist here (`sbatch`, `kubectl`, `ssh`,
+`srun`), and `fill`: placeholders such as `[...]` replaced by a concrete value. The block's
+text itself is never edited here: a README change that breaks an example fails its test,
+and a block that is not in the table fails `test_every_block_is_in_the_table`.
+"""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+BIN = Path(sys.executable).parent  # the venv's bin: tfscale-*, python, pytest
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+
+
+def readme_blocks(text=None):
+    """The fenced code blocks of README.md, in order."""
+    lines = (README.read_text() if text is None else text).splitlines()
+    blocks, start = [], None
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            if start is None:
+                start, lang = i, line[3:].strip()
+            else:
+                blocks.append(Block(start + 1, lang, "\n".join(lines[start + 1 : i]) + "\n"))
+                start = None
+    return blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Snippet:
+    """How to run the block(s) that contain `key` (a `then` block runs in the same process/script)."""
+
+    key: str
+    run: str = "python"  # "python", "sh", or "skip" (with `why`)
+    why: str = ""
+    setup: str = ""  # Python run before the block (python), or files written first (see `files`)
+    fill: tuple = ()  # (placeholder, value): each placeholder must occur in the block
+    files: tuple = ()  # (name, text) written into the working directory
+    then: tuple = ()  # keys of blocks run after this one, in the same process (python) or script (sh)
+    file_from: Optional[tuple] = None  # (key of a text block, file name): that block becomes a file
+    check: str = ""  # a regex every line of which must match, in order, a line of the output
+    expect_error: str = ""  # the block must fail with this in its output (documented behaviour)
+    env: tuple = ()
+    marks: tuple = ()
+    timeout: int = 300
+
+
+# No TensorFlow op runs here: the README's flows call `tfscale.strategies.get` first (it may
+# still split the CPU), so a block given a ready `model` is filled with `make_model()`.
+_MODEL = """
+import keras, numpy as np
+keras.utils.set_random_seed(0)
+def make_model():
+    layers = [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+    model = keras.Sequential(layers)
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+y = x.sum(axis=1, keepdims=True)
+"""
+
+# Stand-ins for programs this machine does not have; each checks what it is given.
+_SBATCH = "#!/bin/sh\nbash -n \"$1\" && grep -q 'srun' \"$1\" && echo 'Submitted batch job 1'\n"
+_KUBECTL = (
+    f"#!{sys.executable}\nimport sys, yaml\n"
+    "doc = yaml.safe_load(open(sys.argv[sys.argv.index('-f') + 1]))\n"
+    "assert sys.argv[1] == 'apply' and doc['kind'] == 'TFJob', doc\n"
+    "print('tfjob.kubeflow.org/train created')\n"
+)
+# ssh HOST... COMMAND: runs COMMAND here (every "host" is this machine).
+_SSH = (
+    '#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do case $1 in -o) shift 2;; *) shift;; esac; done\n'
+    'shift\nexec sh -c "$*"\n'
+)
+# srun OPTIONS... COMMAND: one Slurm task (the Slurm variables are in the block's environment).
+_SRUN = '#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec env SLURM_PROCID=0 "$@"\n'
+_TRAIN_PY = "import json, os\nprint('task', json.loads(os.environ['TF_CONFIG'])['task'], flush=True)\n"
+_PS_TRAIN_PY = (
+    "import json, os, time\ntask = json.loads(os.environ['TF_CONFIG'])['task']\n"
+    "print('task', task, flush=True)\n"
+    "if task['type'] != 'chief':\n    time.sleep(600)  # parameter servers and workers serve until stopped\n"
+)
+_SLURM_ENV = (
+    ("SLURM_JOB_ID", "1"),
+    ("SLURM_JOB_NODELIST", "localhost"),
+    ("SLURM_TASKS_PER_NODE", "1"),
+    ("SLURM_NTASKS", "1"),
+)
+_TRAIN_OUTPUT_KEY = "trained 10 epochs x 24 steps in"
+
+SNIPPETS = [
+    Snippet(
+        "python3 -m venv .venv && . .venv/bin/activate",
+        run="skip",
+        why="a new venv and the whole suite: that is `bash .ci/run`; `tfscale-train` runs below",
+    ),
+    Snippet(
+        'strategy = tfscale.strategies.get("auto")          # or',
+        setup="import tensorflow as tf\n"
+        "dataset = tf.data.Dataset.from_tensor_slices(([[1.0, 2.0]] * 64, [[3.0]] * 64)).batch(16)\n",
+        fill=(
+            ("keras.Sequential([...])", "keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])"),
+            ("model.compile(...)", 'model.compile(optimizer="sgd", loss="mse")'),
+        ),
+    ),
+    Snippet(
+        "from tfscale.cluster import ClusterSpec, ClusterSpecError",
+        setup='text_or_dict = \'{"cluster": {"worker": ["a:2222", "b:2222"]}}\'\n',
+        env=(("TF_CONFIG", '{"cluster": {"worker": ["a:2222"]}, "task": {"type": "worker", "index": 0}}'),),
+        then=('ClusterSpec.from_hosts(workers=["10.0.0.1"',),
+    ),
+    Snippet('ClusterSpec.from_hosts(workers=["10.0.0.1"', run="skip", why="runs after the block above"),
+    Snippet(
+        "node2 slots=4   # same GPUs", run="skip", why="a hostfile: written as `hosts` for the block after it"
+    ),
+    Snippet(
+        "tfscale-tfconfig --from=hostfile --hostfile=hosts",
+        run="sh",
+        file_from=("node2 slots=4   # same GPUs", "hosts"),
+        check=r"\A(\{\"cluster\".*\n){8}\Z",  # "8 lines, one TF_CONFIG each"
+    ),
+    Snippet("tfscale-tfconfig --sbatch=train.sbatch", run="sh", files=(("bin/sbatch", _SBATCH),)),
+    Snippet("tfscale-tfconfig --tfjob=train.yaml", run="sh", files=(("bin/kubectl", _KUBECTL),)),
+    Snippet(
+        'backup = tfscale.callbacks.BackupAndRestore("/shared/run1/backup"',
+        setup=_MODEL,
+        fill=(('"/shared/run1/backup"', '"run1/backup"'),),
+    ),
+    Snippet(
+        "tfscale-launch --num_workers 2 -- python train.py                      # 2 workers",
+        run="sh",
+        files=(
+            ("train.py", _TRAIN_PY),
+            ("ps_train.py", _PS_TRAIN_PY),
+            ("hosts.txt", "node1 slots=2\n"),
+            ("bin/ssh", _SSH),
+            ("bin/srun", _SRUN),
+        ),
+        env=_SLURM_ENV,
+        marks=(pytest.mark.slow,),  # the last line trains TensorFlow's tutorial on 2 workers
+        timeout=600,
+    ),
+    Snippet("worker:1 failed (signal SIGKILL) in attempt 1", run="skip", why="example output"),
+    Snippet(
+        "tfscale-train                       # no flags",
+        run="sh",
+        then=(_TRAIN_OUTPUT_KEY,),
+    ),
+    Snippet(_TRAIN_OUTPUT_KEY, run="skip", why="the output the block above is checked against"),
+    Snippet(
+        "tfscale-train --flagfile=flagfiles/one_device.cfg",
+        run="sh",
+        # Fixed /tmp paths would be shared with every other run on the machine.
+        fill=(("/tmp/backup", "backup"), ("/tmp/model", "model")),
+        check=r"tfscale-launch: job succeeded in attempt 2 of 2",
+        marks=(pytest.mark.slow,),
+        timeout=900,
+    ),
+    Snippet(
+        'ds = tfscale.datasets.load("digits", "train"',
+        setup="import keras, tfscale, tfscale.models\nstrategy = tfscale.strategies.get('auto')\n"
+        "with strategy.scope():\n    model = tfscale.models.build('mlp', (8, 8, 1), 10)\n"
+        "    model.compile('adam', keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n",
+        # tfscale never downloads: the documented answer for an unprepared TFDS dataset.
+        expect_error="tfds build mnist",
+    ),
+    Snippet(
+        'strategy = tfscale.strategies.get("pipeline", num_stages=2',
+        setup=_MODEL,
+        fill=(("strategy.wrap(model)", "strategy.wrap(make_model())"),),
+        marks=(pytest.mark.xfail(strict=True, reason="fixed by strategies restructure"),),
+    ),
+    Snippet(
+        'strategy = tfscale.strategies.get("model_split", num_devices=2)',
+        setup=_MODEL,
+        fill=(("strategy.split(model)", "strategy.split(make_model())"),),
+        marks=(pytest.mark.xfail(strict=True, reason="fixed by strategies restructure"),),
+    ),
+]
+
+
+def _find(key, blocks):
+    found = [b for b in blocks if key in b.text]
+    assert len(found) == 1, f"{len(found)} README blocks contain {key!r}: update SNIPPETS"
+    return found[0]
+
+
+def test_every_block_is_in_the_table():
+    blocks = readme_blocks()
+    covered = {_find(s.key, blocks).line for s in SNIPPETS}
+    missing = [f"line {b.line}: {b.text.splitlines()[0]}" for b in blocks if b.line not in covered]
+    assert not missing, f"README blocks with no entry in SNIPPETS: {missing}"
+
+
+def test_finds_blocks_by_fence():
+    blocks = readme_blocks("text\n```python\na = 1\n```\n```sh\necho x\n```\n")
+    assert [(b.line, b.lang, b.text) for b in blocks] == [(2, "python", "a = 1\n"), (5, "sh", "echo x\n")]
+
+
+def _filled(snippet, block):
+    text = block.text
+    for placeholder, value in snippet.fill:
+        assert placeholder in text, f"placeholder {placeholder!r} is no longer in README line {block.line}"
+        text = text.replace(placeholder, value)
+    return text
+
+
+def _workdir(tmp_path, snippet, blocks):
+    for name, content in snippet.files:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+        if name.startswith("bin/"):
+            path.chmod(0o755)
+    if snippet.file_from:
+        key, name = snippet.file_from
+        (tmp_path / name).write_text(_find(key, blocks).text)
+    for shared in ("flagfiles", "examples"):  # the README's relative paths, from a clone's root
+        (tmp_path / shared).symlink_to(REPO / shared)
+
+
+def _run(snippet, tmp_path, data_dir):
+    blocks = readme_blocks()
+    block = _find(snippet.key, blocks)
+    _workdir(tmp_path, snippet, blocks)
+    followers = [_find(k, blocks) for k in snippet.then]
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}:{BIN}:{os.environ['PATH']}",
+        "TFSCALE_DATA_DIR": str(data_dir),
+        "PYTHONUNBUFFERED": "1",
+        **dict(snippet.env),
+    }
+    if "TF_CONFIG" not in dict(snippet.env):
+        env.pop("TF_CONFIG", None)
+    if snippet.run == "python":
+        code = snippet.setup + _filled(snippet, block) + "".join(f.text for f in followers)
+        argv = [sys.executable, "-c", code]
+    else:
+        script = "set -e\n" + _filled(snippet, block)
+        argv = ["bash", "-c", script]
+    run = subprocess.run(
+        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=snippet.timeout, check=False
+    )
+    output = run.stdout + run.stderr
+    if snippet.expect_error:
+        assert run.returncode != 0 and snippet.expect_error in output, output[-3000:]
+        return output
+    assert run.returncode == 0, f"README line {block.line} failed:\n{output[-5000:]}"
+    if snippet.check:
+        assert re.search(snippet.check, run.stdout + run.stderr), output[-3000:]
+    for follower in followers:
+        if snippet.run == "sh":  # an output block: its lines, numbers aside, in order
+            _assert_shows(follower.text, run.stdout)
+    return output
+
+
+def _line_pattern(line):
+    parts = re.split(r"(\{\.\.\..*?\.\.\.\}|\d+(?:\.\d+)?)", line)
+    out = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            out.append(re.escape(part))
+        else:
+            out.append(r"\{.*\}" if part.startswith("{") else r"\d+(?:\.\d+)?")
+    return "^" + "".join(out) + "$"
+
+
+def _assert_shows(expected, output):
+    lines = output.splitlines()
+    at = 0
+    for want in expected.splitlines():
+        pattern = re.compile(_line_pattern(want))
+        while at < len(lines) and not pattern.match(lines[at]):
+            at += 1
+        assert at < len(lines), f"README shows {want!r}; not in the output (in order):\n{output[-3000:]}"
+        at += 1
+
+
+def test_output_check_matches_numbers_not_words():
+    shown = "trained 10 epochs x 24 steps in 3.2 s\ntfscale-train-result: {...the same as JSON...}\n"
+    _assert_shows(shown, 'x\ntrained 9 epochs x 24 steps in 12.25 s\ntfscale-train-result: {"a": 1}\n')
+    with pytest.raises(AssertionError, match="README shows"):
+        _assert_shows(shown, "trained 9 epochs of 24 steps in 12.25 s\n")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tfds")
+
+
+_RUN = [s for s in SNIPPETS if s.run != "skip"]
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [pytest.param(s, id=f"{s.run}:{re.sub(r'[^A-Za-z0-9]+', '_', s.key)[:40]}", marks=s.marks) for s in _RUN],
+)
+def test_readme_block_runs_as_written(snippet, tmp_path, data_dir):
+    _run(snippet, tmp_path, data_dir)
+
+
+def test_every_skip_says_why():
+    assert all(s.why for s in SNIPPETS if s.run == "skip")

@@ -185,14 +185,12 @@ SNIPPETS = [
     Snippet(
         'strategy = tfscale.strategies.get("pipeline", num_stages=2',
         setup=_MODEL,
-        fill=(("strategy.wrap(model)", "strategy.wrap(make_model())"),),
-        marks=(pytest.mark.xfail(strict=True, reason="fixed by strategies restructure"),),
+        fill=(("strategy.split(model)", "strategy.split(make_model())"),),
     ),
     Snippet(
         'strategy = tfscale.strategies.get("model_split", num_devices=2)',
         setup=_MODEL,
         fill=(("strategy.split(model)", "strategy.split(make_model())"),),
-        marks=(pytest.mark.xfail(strict=True, reason="fixed by strategies restructure"),),
     ),
 ]
 

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._placement import on_device
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 
-class ModelSplitError(ValueError):
+class ModelSplitError(StrategyError):
     """A layer that cannot be split as asked (names the layer, the value and what fits)."""
 
 

@@ -9,10 +9,12 @@ import importlib
 
 import keras
 
+from tfscale.errors import Error
+
 __all__ = ["MODELS", "ModelError", "build", "cnn", "mlp", "transformer"]
 
 
-class ModelError(ValueError):
+class ModelError(Error):
     """A `--model` name or factory that cannot build a model (names the value and the choices)."""
 
 

@@ -16,6 +16,7 @@ import os
 from absl import flags
 
 from tfscale import _auto
+from tfscale import models as _models
 
 __all__ = [
     "CLUSTER_SOURCE_FLAGS",
@@ -37,11 +38,13 @@ __all__ = [
     "strategy_args",
 ]
 
-# Strategies a data-parallel binary can run (pipeline / model_split need a split model).
+# Strategies a data-parallel binary can run: `tfscale.strategies.NAMES` less the two that
+# need a split model (tests/test_flags.py holds the two lists and the README to this).
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu")
-OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop")
+# The optimizer registry: `--optimizer` name -> class in `keras.optimizers` (train.py builds it).
+OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop"}
 DATASET_PREFIXES = ("digits", "tfds:", "synthetic:")
-MODELS = ("mlp", "cnn", "transformer")  # tfscale.models.MODELS, named here without importing Keras.
+MODELS = tuple(_models.MODELS)  # The registry itself, `tfscale.models.MODELS` (imports no Keras).
 
 
 def _positive_or_none(value):
@@ -287,7 +290,7 @@ def define_training_flags(fv):
     flags.DEFINE_float(
         "learning_rate", 0.003, "Learning rate (per replica with --lr_scaling=linear).", flag_values=fv
     )
-    flags.DEFINE_enum("optimizer", "adam", OPTIMIZERS, "Optimizer.", flag_values=fv)
+    flags.DEFINE_enum("optimizer", "adam", list(OPTIMIZERS), "Optimizer.", flag_values=fv)
     flags.DEFINE_float(
         "lr_warmup_epochs", 0.0, "Linear warmup, per step, over this many epochs.", flag_values=fv
     )

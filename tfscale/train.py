@@ -169,18 +169,12 @@ def _datasets(config, strategy, global_batch):
 def _optimizer(config, learning_rate):
     import keras
 
-    classes = {
-        "adam": keras.optimizers.Adam,
-        "adamw": keras.optimizers.AdamW,
-        "sgd": keras.optimizers.SGD,
-        "rmsprop": keras.optimizers.RMSprop,
-    }
-    if config.optimizer not in classes:
+    if config.optimizer not in tfscale_flags.OPTIMIZERS:
         raise TrainError(
             f"Invalid value for `optimizer`. Received: optimizer={config.optimizer!r}. "
-            f"Expected one of {sorted(classes)}."
+            f"Expected one of {sorted(tfscale_flags.OPTIMIZERS)}."
         )
-    return classes[config.optimizer](learning_rate)
+    return getattr(keras.optimizers, tfscale_flags.OPTIMIZERS[config.optimizer])(learning_rate)
 
 
 def _callbacks(config, strategy, info, steps_per_epoch, is_chief):

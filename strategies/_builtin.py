@@ -203,6 +203,8 @@ def _accepted(builder):
 
 def _check_options(name, accepted, options):
     """A StrategyError (not Python's TypeError) for an option the strategy does not take."""
+    if accepted is None:
+        return  # It takes **options and checks them itself.
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise StrategyError(
@@ -256,9 +258,7 @@ def get(name="auto", *, cluster=None, **options):
     if name not in _BUILDERS:
         raise StrategyError(f"Unknown strategy name. Received: name={name!r}. Expected one of {list(NAMES)}.")
     builder = _BUILDERS[name]
-    accepted = _accepted(builder)
-    if accepted is not None:
-        _check_options(name, accepted, options)
+    _check_options(name, _accepted(builder), options)
     if "cluster" in inspect.signature(builder).parameters:
         options["cluster"] = _cluster(cluster)
     elif cluster is not None:

@@ -125,6 +125,9 @@ def _closed_port():
         ("one_device", {"device": "not a device"}, r"device='not a device'\. Expected a device name"),
         ("tpu", {"tpu": "my-tpu-name"}, r"No TPU reachable at `tpu='my-tpu-name'`"),
         ("tpu", {}, r"No TPU reachable at `tpu=None`"),
+        # The classes' own options too: a StrategyError, not Python's TypeError.
+        ("model_split", {"foo": 1}, r"Unknown option\(s\) \['foo'\] for strategy 'model_split'.*balance"),
+        ("pipeline", {"stages": 2}, r"Unknown option\(s\) \['stages'\] for strategy 'pipeline'.*num_stages"),
     ],
 )
 def test_bad_input_is_one_clear_error(name, options, match):

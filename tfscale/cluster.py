@@ -345,7 +345,7 @@ class ClusterSpec:
         """
         environ = os.environ if environ is None else environ
         if environ.get("TF_CONFIG", "").strip():
-            return cls.from_tf_config(environ["TF_CONFIG"])
+            return cls.from_env(environ)
         cluster, ordinal = _kubernetes.cluster_from_statefulset(
             environ,
             port=_hosts.check_port(port),

@@ -161,3 +161,18 @@ def test_auto_rejects_a_malformed_tf_config_instead_of_guessing():
     bad = json.dumps({"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2222"]}})
     with mock.patch.dict("os.environ", {"TF_CONFIG": bad}), pytest.raises(ValueError, match="uplicate"):
         get("auto")
+
+
+def test_strategy_names_are_one_registry_in_the_readme_and_the_flags():
+    import os
+    import re
+
+    import tfscale.flags
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with open(readme) as f:
+        table = re.findall(r'^\| `"(\w+)"` \|', f.read(), re.MULTILINE)
+    assert table == list(tfscale.strategies.NAMES)
+    # --strategy offers every name but the two that need a split model.
+    wraps_a_model = ("pipeline", "model_split")
+    assert list(tfscale.flags.STRATEGIES) == [n for n in tfscale.strategies.NAMES if n not in wraps_a_model]

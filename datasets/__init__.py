@@ -7,8 +7,16 @@ Names: "digits" (bundled UCI handwritten digits, no network), "tfds:NAME[/CONFIG
 (any TFDS dataset already prepared in `data_dir`), "synthetic:..." (benchmarks).
 """
 
-from tfscale.datasets._errors import DatasetError
+from tfscale.datasets._errors import DatasetError, UnknownSplitError
 from tfscale.datasets._sources import BUNDLED, default_data_dir
 from tfscale.datasets.load import SHARDING_POLICIES, DatasetInfo, load
 
-__all__ = ["BUNDLED", "SHARDING_POLICIES", "DatasetError", "DatasetInfo", "default_data_dir", "load"]
+__all__ = [
+    "BUNDLED",
+    "SHARDING_POLICIES",
+    "DatasetError",
+    "DatasetInfo",
+    "UnknownSplitError",
+    "default_data_dir",
+    "load",
+]

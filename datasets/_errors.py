@@ -1,7 +1,13 @@
-"""The error type of tfscale.datasets."""
+"""The error types of tfscale.datasets."""
 
-__all__ = ["DatasetError"]
+from tfscale.errors import Error
+
+__all__ = ["DatasetError", "UnknownSplitError"]
 
 
-class DatasetError(ValueError):
+class DatasetError(Error):
     """A dataset name, split or option that tfscale cannot serve (names the value and the fix)."""
+
+
+class UnknownSplitError(DatasetError):
+    """The dataset has no split of that name (callers that try several splits catch this one)."""

@@ -11,7 +11,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from tfscale.datasets import digits, synthetic
-from tfscale.datasets._errors import DatasetError
+from tfscale.datasets._errors import DatasetError, UnknownSplitError
 
 __all__ = ["BUNDLED", "Source", "default_data_dir", "resolve"]
 
@@ -86,7 +86,7 @@ def _tfds_builder(name, data_dir):
 def _tfds_source(name, builder, split):
     info = builder.info
     if split not in info.splits:
-        raise DatasetError(
+        raise UnknownSplitError(
             f"Unknown split of dataset {name!r}. Received: split={split!r}. Expected one of "
             f"{sorted(info.splits)}."
         )

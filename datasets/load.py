@@ -20,6 +20,7 @@ import logging
 
 import tensorflow as tf
 
+from tfscale.cluster import ClusterSpec
 from tfscale.datasets import _sources
 from tfscale.datasets._errors import DatasetError
 
@@ -51,13 +52,15 @@ class DatasetInfo:
 
 
 def _worker_context(strategy):
-    """(num_workers, this worker's index, replicas in sync) for any strategy."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    cluster = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    workers = [(t, i) for t in ("chief", "worker") for i in range(len(cluster.get(t, ())))]
-    if len(workers) <= 1 or resolver.task_type not in ("chief", "worker"):
+    """(num_workers, this worker's index, replicas in sync) for any strategy.
+
+    The strategy's own cluster, not the environment's: a strategy that runs outside the
+    collectives (an evaluator's, a mirrored one) reads the whole dataset.
+    """
+    cluster = ClusterSpec.from_strategy(strategy)
+    if not cluster.is_multi_worker:
         return 1, 0, strategy.num_replicas_in_sync
-    return len(workers), workers.index((resolver.task_type, resolver.task_id)), strategy.num_replicas_in_sync
+    return cluster.num_workers, cluster.worker_index, strategy.num_replicas_in_sync
 
 
 def _check_batch(global_batch_size, replicas, num_examples, drop_remainder):

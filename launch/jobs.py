@@ -88,6 +88,21 @@ def _role(task_type, has_ps):
     return "server"
 
 
+def _check_local(name, value):
+    if isinstance(value, str):
+        raise LaunchError(
+            f"Invalid value for `--{name}`. Received: {value!r}. A local job runs every task on this host; "
+            f"expected a bare `--{name}` (or a multi-host job with --hosts / --hostfile)."
+        )
+
+
+def _in_turn(value, names, turn):
+    """Where an extra task goes: the host it names, the host in turn when it is just on, or nowhere."""
+    if isinstance(value, str):
+        return value
+    return names[turn % len(names)] if value else None
+
+
 def _check_topology(chief, num_ps):
     if num_ps and not chief:
         raise LaunchError(
@@ -102,9 +117,9 @@ class LocalJob:
     Args:
         command: the user's command (list of words), run as is by every task.
         num_workers: "worker" tasks.
-        chief: add a "chief" task.
+        chief: add a "chief" task (True; a host is refused: every task runs here).
         num_ps: "ps" tasks (needs `chief`).
-        evaluator: add an "evaluator" task.
+        evaluator: add an "evaluator" task (True, like `chief`).
         keras_compat: put the Keras 3 multi-worker fix shim on `PYTHONPATH`.
         environ: the environment the tasks start from (default `os.environ`).
     """
@@ -123,6 +138,8 @@ class LocalJob:
         self.command = _check_command(command)
         _check_count("num_workers", num_workers, 1)
         _check_count("num_ps", num_ps, 0)
+        _check_local("chief", chief)
+        _check_local("evaluator", evaluator)
         _check_topology(chief, num_ps)
         self._counts = (bool(chief), num_workers, num_ps, bool(evaluator))
         self._keras_compat = keras_compat
@@ -160,7 +177,8 @@ class HostsJob:
         hosts: worker host entries (`host`, `host:port`, `host:slots`), or None with `hostfile`.
         hostfile: path of a `host slots=N` file (see `ClusterSpec.from_hostfile`).
         port: first port on each host.
-        chief, num_ps, evaluator: extra tasks, placed on the hosts in turn from the first.
+        chief, num_ps, evaluator: extra tasks, placed on the hosts in turn from the first;
+            `chief` and `evaluator` may instead name their host ("node0" or "node0:3000").
         remote_cmd: the start-command template (see `tfscale.launch._remote`).
         keras_compat: pass the compat shim on `PYTHONPATH` (it must exist at the same
             path on every host).
@@ -197,14 +215,17 @@ class HostsJob:
             if not workers:
                 raise LaunchError(f"Invalid value for `--hosts`. Received: {hosts!r}. Expected host names.")
         names = list(dict.fromkeys(_remote.host_of(w) for w in workers))
+        turn = int(chief is True)  # A chief placed in turn takes the first host.
         self.spec = cluster_spec.from_hosts(
             workers=workers,
-            chief=names[0] if chief else None,
-            ps=[names[(chief + i) % len(names)] for i in range(num_ps)],
-            evaluator=names[(chief + num_ps) % len(names)] if evaluator else None,
+            chief=_in_turn(chief, names, 0),
+            ps=[names[(turn + i) % len(names)] for i in range(num_ps)],
+            evaluator=_in_turn(evaluator, names, turn + num_ps),
             port=port,
         )
-        self._host_index = {name: i for i, name in enumerate(names)}
+        # Worker hosts first, in order; then a host only a named chief or evaluator runs on.
+        hosts = dict.fromkeys([*names, *(_remote.host_of(a) for _, _, a in self.spec.tasks())])
+        self._host_index = {name: i for i, name in enumerate(hosts)}
         self._remote_cmd = remote_cmd
         self._keras_compat = keras_compat
         self._cwd = cwd or os.getcwd()

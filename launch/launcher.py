@@ -15,6 +15,8 @@ import sys
 
 from absl import flags
 
+from tfscale import errors
+from tfscale import flags as tfscale_flags
 from tfscale.launch import _remote, jobs, supervisor
 
 __all__ = ["define_flags", "job_from_flags", "main", "run"]
@@ -25,18 +27,10 @@ def define_flags(fv):
     flags.DEFINE_integer(
         "num_workers", None, "Worker tasks on this host (default 1).", lower_bound=1, flag_values=fv
     )
-    flags.DEFINE_bool("chief", False, "Add a chief task.", flag_values=fv)
-    flags.DEFINE_integer(
-        "num_ps", 0, "Parameter-server tasks (needs --chief).", lower_bound=0, flag_values=fv
+    # --hosts (--workers), --hostfile, --port, --chief, --num_ps, --evaluator: as in tfscale-tfconfig.
+    tfscale_flags.define_cluster_source_flags(
+        fv, ("hosts", "hostfile", "port", "chief", "num_ps", "evaluator")
     )
-    flags.DEFINE_bool("evaluator", False, "Add an evaluator task.", flag_values=fv)
-    flags.DEFINE_list(
-        "hosts",
-        None,
-        "Worker hosts (host, host:port, host:slots), started with --remote_cmd.",
-        flag_values=fv,
-    )
-    flags.DEFINE_string("hostfile", None, "File of 'host slots=N' lines, instead of --hosts.", flag_values=fv)
     flags.DEFINE_string(
         "remote_cmd",
         _remote.DEFAULT_REMOTE_CMD,
@@ -44,14 +38,6 @@ def define_flags(fv):
         flag_values=fv,
     )
     flags.DEFINE_bool("slurm", False, "Inside a Slurm allocation: start the tasks with srun.", flag_values=fv)
-    flags.DEFINE_integer(
-        "port",
-        2222,
-        "First port on each host (multi-host and Slurm jobs).",
-        lower_bound=1,
-        upper_bound=65535,
-        flag_values=fv,
-    )
     flags.DEFINE_integer(
         "max_restarts", 0, "Restarts of the whole job after a failure.", lower_bound=0, flag_values=fv
     )
@@ -137,9 +123,8 @@ def main(argv, fv):
             heartbeat_timeout=_positive_or_none(fv.heartbeat_timeout),
             log_dir=fv.log_dir,
         )
-    except ValueError as e:  # LaunchError, ClusterSpecError: bad input, one line.
-        print(f"tfscale-launch: error: {e}", file=sys.stderr)
-        return 2
+    except errors.Error as e:  # LaunchError, ClusterSpecError, ...: one line, never a traceback.
+        return errors.report("tfscale-launch", e)
     return result.exit_code
 
 

@@ -16,13 +16,16 @@ import tempfile
 import time
 
 from tfscale.cluster import ClusterSpec
+from tfscale.errors import FAILED_RUN, Error
 from tfscale.launch import _procs
 
 __all__ = ["ClusterRunError", "TaskResult", "run_local_cluster"]
 
 
-class ClusterRunError(RuntimeError):
-    """A task of a local cluster failed or the cluster ran past its timeout."""
+class ClusterRunError(Error, RuntimeError):
+    """A task of a local cluster failed or the cluster ran past its timeout (still a `RuntimeError`)."""
+
+    exit_status = FAILED_RUN
 
     def __init__(self, message, results):
         super().__init__(message)

@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Mapping, Optional, Tuple
 
+from tfscale.errors import Error
 from tfscale.launch import _procs
 from tfscale.launch._output import OutputPump
 
@@ -46,7 +47,7 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _ROLES = ("completes", "server", "sidecar")
 
 
-class LaunchError(ValueError):
+class LaunchError(Error):
     """Bad input to the launcher: a flag, a host list, a command that cannot start."""
 
 

@@ -8,6 +8,8 @@ import urllib.parse
 
 import tensorflow as tf
 
+from tfscale._auto import choose as _choose_auto
+from tfscale._auto import tpu_named as _tpu_named
 from tfscale.cluster import ClusterSpec
 from tfscale.compat import collective_keys, keras_multi_worker
 from tfscale.strategies._devices import cpu_device_names, parse_device, split_cpu
@@ -27,7 +29,6 @@ _COMMUNICATION = {
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
-_TPU_ENV_VARS = ("TPU_NAME", "KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS")
 _TPU_PROBE_SECONDS = 5.0
 
 
@@ -98,9 +99,9 @@ def _positive_number(value):
     return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
 
 
-def _multi_worker(*, communication="auto", timeout_seconds=None, cluster_resolver=None, cpu_replicas=None):
-    from tfscale.compat import keras_multi_worker
-
+def _multi_worker(
+    *, cluster, communication="auto", timeout_seconds=None, cluster_resolver=None, cpu_replicas=None
+):
     _choice("communication", communication, _COMMUNICATION)
     if timeout_seconds is not None and not _positive_number(timeout_seconds):
         raise StrategyError(
@@ -112,6 +113,8 @@ def _multi_worker(*, communication="auto", timeout_seconds=None, cluster_resolve
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=_COMMUNICATION[communication], timeout_seconds=timeout_seconds
     )
+    if cluster_resolver is None and not cluster.is_local:
+        cluster_resolver = cluster.to_resolver()  # Else TensorFlow's default: one local worker.
     keras_multi_worker.apply()
     return keras_multi_worker.make_multi_worker_strategy(
         cluster_resolver=cluster_resolver, communication_options=options, cpu_replicas=cpu_replicas
@@ -143,47 +146,42 @@ def _tpu(*, tpu=None):
     return tf.distribute.TPUStrategy(resolver)
 
 
-def _tf_config_workers(environ):
-    if not environ.get("TF_CONFIG", "").strip():
-        return 0
-    return ClusterSpec.from_env(environ).num_workers  # A malformed TF_CONFIG is a clear error.
-
-
-def _auto(*, cpu_replicas=None, tpu=None, communication="auto", timeout_seconds=None):
-    environ = os.environ
-    tpu_named = tpu is not None or any(environ.get(v) for v in _TPU_ENV_VARS)
-    if tpu_named or tf.config.list_physical_devices("TPU"):
-        _log.info("strategy auto -> tpu (a TPU is named or visible)")
-        return _tpu(tpu=tpu)
-    workers = _tf_config_workers(environ)
-    if workers > 1:
-        _log.info("strategy auto -> multi_worker (TF_CONFIG names %d workers)", workers)
-        return _multi_worker(
-            communication=communication, timeout_seconds=timeout_seconds, cpu_replicas=cpu_replicas
-        )
+def _auto(*, cluster, cpu_replicas=None, tpu=None, communication="auto", timeout_seconds=None):
     gpus = _num_gpus()
-    if gpus > 1:
-        _log.info("strategy auto -> mirrored (%d GPUs visible)", gpus)
+    name, reason = _choose_auto(
+        tpu=_tpu_named(tpu, os.environ) or bool(tf.config.list_physical_devices("TPU")),
+        num_workers=cluster.num_workers,
+        gpus=gpus,
+        cpu_replicas=cpu_replicas,
+    )
+    _log.info("strategy auto -> %s (%s)", name, reason)
+    if name == "tpu":
+        return _tpu(tpu=tpu)
+    if name == "multi_worker":
+        return _multi_worker(
+            cluster=cluster,
+            communication=communication,
+            timeout_seconds=timeout_seconds,
+            cpu_replicas=cpu_replicas,
+        )
+    if name == "mirrored":
         return _mirrored(cpu_replicas=cpu_replicas) if cpu_replicas else _mirrored()
-    if cpu_replicas and cpu_replicas > 1:
-        _log.info("strategy auto -> mirrored over %d logical CPU devices (cpu_replicas)", cpu_replicas)
-        return _mirrored(cpu_replicas=cpu_replicas)
-    device = "/gpu:0" if gpus else cpu_device_names(1)[0]
-    _log.info("strategy auto -> one_device on %s (no TPU, no multi-worker TF_CONFIG, <2 GPUs)", device)
     if cpu_replicas:
         split_cpu(cpu_replicas)
-    return _one_device(device=device)
+    return _one_device(device="/gpu:0" if gpus else cpu_device_names(1)[0])
 
 
 def _pipeline(**options):
     from tfscale.strategies.pipeline import PipelineStrategy
 
+    _check_options("pipeline", _accepted(PipelineStrategy), options)
     return PipelineStrategy(**options)
 
 
 def _model_split(**options):
     from tfscale.strategies.model_split import ModelSplitStrategy
 
+    _check_options("model_split", _accepted(ModelSplitStrategy), options)
     return ModelSplitStrategy(**options)
 
 
@@ -203,11 +201,33 @@ NAMES = tuple(_BUILDERS)
 def _accepted(builder):
     params = inspect.signature(builder).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None  # The class checks its own options.
-    return [p.name for p in params]
+        return None  # A class's builder checks against the class, imported only when asked for.
+    return [p.name for p in params if p.name != "cluster"]  # `cluster` is get's own argument.
 
 
-def get(name="auto", **options):
+def _check_options(name, accepted, options):
+    """A StrategyError (not Python's TypeError) for an option the strategy does not take."""
+    if accepted is None:
+        return  # It takes **options and checks them itself.
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise StrategyError(
+            f"Unknown option(s) {unknown} for strategy {name!r}. Expected options: {accepted or 'none'}."
+        )
+
+
+def _cluster(cluster):
+    if cluster is None:
+        return ClusterSpec.from_env(allow_unset=True)
+    if not isinstance(cluster, ClusterSpec):
+        raise StrategyError(
+            f"Invalid value for argument `cluster`. Received: cluster={cluster!r}. Expected a "
+            "tfscale.cluster.ClusterSpec or None (read TF_CONFIG)."
+        )
+    return cluster
+
+
+def get(name="auto", *, cluster=None, **options):
     """Returns a configured distribution strategy.
 
     Built-in names return the real `tf.distribute` object; `"pipeline"` and
@@ -216,6 +236,9 @@ def get(name="auto", **options):
     Args:
         name: one of `NAMES`: "auto", "default", "one_device", "mirrored",
             "multi_worker", "tpu", "pipeline", "model_split".
+        cluster: the `tfscale.cluster.ClusterSpec` of this process, which "auto" and
+            "multi_worker" run in. Default: `ClusterSpec.from_env(allow_unset=True)`,
+            the `TF_CONFIG` of the environment, else one local process.
         **options: options of that strategy (see the README's table), e.g.
             `cpu_replicas=2` to replicate over 2 logical CPU devices.
 
@@ -228,6 +251,7 @@ def get(name="auto", **options):
     Raises:
         StrategyError: unknown name, unknown option, or an option value the
             strategy cannot honour here.
+        ClusterSpecError: `cluster` is None and `TF_CONFIG` is malformed.
 
     Example:
 
@@ -238,11 +262,9 @@ def get(name="auto", **options):
     if name not in _BUILDERS:
         raise StrategyError(f"Unknown strategy name. Received: name={name!r}. Expected one of {list(NAMES)}.")
     builder = _BUILDERS[name]
-    accepted = _accepted(builder)
-    if accepted is not None:
-        unknown = sorted(set(options) - set(accepted))
-        if unknown:
-            raise StrategyError(
-                f"Unknown option(s) {unknown} for strategy {name!r}. Expected options: {accepted or 'none'}."
-            )
+    _check_options(name, _accepted(builder), options)
+    if "cluster" in inspect.signature(builder).parameters:
+        options["cluster"] = _cluster(cluster)
+    elif cluster is not None:
+        _cluster(cluster)  # Checked for every name, used by the ones that run in a cluster.
     return builder(**options)

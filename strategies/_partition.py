@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 
+from tfscale.strategies._errors import StrategyError
+
 __all__ = [
     "BalanceError",
     "balance",
@@ -32,7 +34,7 @@ _EPSILON = 1e-3
 _TIME_REPEATS = 3
 
 
-class BalanceError(ValueError):
+class BalanceError(StrategyError):
     """A model that cannot be cut as asked; the message carries the numbers and a fix."""
 
 

@@ -57,3 +57,35 @@ def fit_with_generated_tf_config(ports):
         replicas=strategy.num_replicas_in_sync,
     )
     return result
+
+
+def identity_from_the_spec_alone():
+    """One task: its ClusterSpec taken from TF_CONFIG, which is then removed from the environment.
+
+    `strategies.get("auto", cluster=spec)` must still build the multi-worker strategy, and
+    the backups and datasets must read this task's place from that strategy, not from
+    the environment.
+    """
+    from tfscale.cluster import ClusterSpec
+
+    spec = ClusterSpec.from_env()
+    del os.environ["TF_CONFIG"]
+
+    import importlib
+
+    import tensorflow as tf
+
+    import tfscale.strategies
+    from tfscale.callbacks import _backup_cluster
+
+    load = importlib.import_module("tfscale.datasets.load")  # the module; the package exports load()
+
+    strategy = tfscale.strategies.get("auto", cluster=spec)
+    role = _backup_cluster.role(strategy)
+    return {
+        "multi_worker": isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy),
+        "replicas": strategy.num_replicas_in_sync,
+        "resolver_task": (strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id),
+        "backup_role": (role.label, role.num_workers, role.writer),
+        "dataset_worker": load._worker_context(strategy)[:2],
+    }

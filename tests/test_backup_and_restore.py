@@ -254,6 +254,9 @@ def test_non_writer_task_writes_nothing(tmp_path):
         ({"worker": ["b:1", "c:1"]}, {"type": "worker", "index": 0}, True),
         ({"worker": ["b:1", "c:1"]}, {"type": "worker", "index": 1}, False),
         ({"worker": ["b:1"]}, {"type": "worker", "index": 0}, True),
+        # An evaluator or ps never writes, even beside a single worker (ClusterSpec.is_writer).
+        ({"worker": ["b:1"], "evaluator": ["e:1"]}, {"type": "evaluator", "index": 0}, False),
+        ({"chief": ["a:1"], "ps": ["p:1"]}, {"type": "ps", "index": 0}, False),
     ],
 )
 def test_writer_is_chief_or_worker_0(cluster_spec, task, writer):

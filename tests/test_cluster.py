@@ -349,6 +349,103 @@ def test_tf_config_cluster_resolver_reads_the_same_cluster_and_task(spec):
             assert resolver.cluster_spec().task_address(task_type, index) == address
 
 
+# --- who this task is: ClusterSpec is the one answer ----------------------------------------------
+
+CPEW = {"chief": ["c:1"], "worker": ["w:1", "w:2"], "ps": ["p:1"], "evaluator": ["e:1"]}
+WE = {"worker": ["w:1", "w:2"], "evaluator": ["e:1"]}
+
+
+@pytest.mark.parametrize(
+    ("cluster", "task", "chief", "worker_index", "num_workers", "multi_worker"),
+    [
+        (CPEW, ("chief", 0), True, 0, 3, True),
+        (CPEW, ("worker", 0), False, 1, 3, True),
+        (CPEW, ("worker", 1), False, 2, 3, True),
+        (CPEW, ("ps", 0), False, None, 3, False),
+        (CPEW, ("evaluator", 0), False, None, 3, False),
+        (CPEW, (None, None), True, None, 3, False),
+        (WE, ("worker", 0), True, 0, 2, True),
+        (WE, ("worker", 1), False, 1, 2, True),
+        (WE, ("evaluator", 0), False, None, 2, False),
+        ({"worker": ["w:1"]}, ("worker", 0), True, 0, 1, False),
+        (None, (None, None), True, 0, 1, False),
+    ],
+    ids=[
+        "chief",
+        "worker0-with-chief",
+        "worker1-with-chief",
+        "ps",
+        "evaluator-with-chief",
+        "no-task",
+        "worker0-no-chief",
+        "worker1-no-chief",
+        "evaluator-no-chief",
+        "single-worker",
+        "local",
+    ],
+)
+def test_identity_and_writer_rule(cluster, task, chief, worker_index, num_workers, multi_worker):
+    spec = ClusterSpec.local() if cluster is None else ClusterSpec(cluster, *task)
+    assert (spec.is_chief, spec.worker_index, spec.num_workers, spec.is_multi_worker) == (
+        chief,
+        worker_index,
+        num_workers,
+        multi_worker,
+    )
+    # The writer of backups, the model and logs is the chief (worker 0 without one), and only it.
+    assert spec.is_writer is chief
+
+
+def test_from_env_allow_unset_is_local_and_local_has_no_tasks():
+    assert ClusterSpec.from_env({}, allow_unset=True) == ClusterSpec.local()
+    assert ClusterSpec.local().is_local and ClusterSpec.local().tasks() == []
+    assert not ClusterSpec(W3, "worker", 0).is_local
+    with pytest.raises(ClusterSpecError, match="Empty cluster"):
+        ClusterSpec({})  # local() is the only way to an empty cluster
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [ClusterSpec(CPEW), ClusterSpec(WE)],
+    ids=["chief-workers-ps-evaluator", "workers-evaluator"],
+)
+def test_to_resolver_and_from_resolver_agree_with_tensorflows_tf_config_resolver(spec):
+    for task_type, index, _ in spec.tasks():
+        mine = spec.with_task(task_type, index)
+        resolver = mine.to_resolver()
+        with mock.patch.dict(os.environ, {"TF_CONFIG": mine.to_json()}):  # TF reads it lazily
+            theirs = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+            assert resolver.cluster_spec().as_dict() == theirs.cluster_spec().as_dict()
+            assert (resolver.task_type, resolver.task_id) == (theirs.task_type, theirs.task_id)
+            assert ClusterSpec.from_resolver(theirs) == mine
+
+
+def test_a_strategy_outside_a_cluster_is_local():
+    assert ClusterSpec.from_strategy(tf.distribute.get_strategy()).is_local
+    assert ClusterSpec.from_strategy(tfscale.strategies.get("mirrored", cpu_replicas=2)).is_local
+
+
+def test_get_rejects_a_cluster_that_is_not_a_cluster_spec():
+    with pytest.raises(tfscale.strategies.StrategyError, match=r"`cluster`. Received: cluster=\{'worker'"):
+        tfscale.strategies.get("auto", cluster={"worker": ["a:1"]})
+
+
+@pytest.mark.slow
+def test_auto_backups_and_datasets_take_the_task_from_the_spec_without_tf_config():
+    results = run_local_cluster(
+        workers.identity_from_the_spec_alone, 2, chief=True, timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "2"}
+    )
+    got = [r.value for r in results]
+    assert [g["multi_worker"] for g in got] == [True] * 3 and [g["replicas"] for g in got] == [3] * 3
+    assert [g["resolver_task"] for g in got] == [("chief", 0), ("worker", 0), ("worker", 1)]
+    assert [g["backup_role"] for g in got] == [
+        ("chief:0", 3, True),
+        ("worker:0", 3, False),
+        ("worker:1", 3, False),
+    ]
+    assert [g["dataset_worker"] for g in got] == [(3, 0), (3, 1), (3, 2)]
+
+
 # --- a real 2-worker multi_worker fit driven by a generated TF_CONFIG ---------------------------
 
 

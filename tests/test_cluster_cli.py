@@ -52,6 +52,14 @@ def test_module_entry_point_matches_console_script():
     assert ok(*args, binary=(sys.executable, "-m", "tfscale.cluster_cli")) == ok(*args)
 
 
+def test_bare_chief_and_evaluator_go_on_the_first_host_as_the_launcher_places_them():
+    out = ok("--from=hosts", "--hosts=node1:2,node2", "--chief", "--evaluator", "--port=3000")
+    spec = ClusterSpec.from_hosts(workers=["node1:2", "node2"], chief="node1", evaluator="node1", port=3000)
+    assert [json.loads(line) for line in out.splitlines()] == [
+        spec.to_tf_config(t, i) for t, i, _ in spec.tasks()
+    ]
+
+
 def test_importing_the_cli_does_not_import_tensorflow():
     code = "import sys, tfscale.cluster, tfscale.cluster_cli; sys.exit('tensorflow' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False, env=CLEAN_ENV).returncode == 0
@@ -91,7 +99,8 @@ def test_sources_with_a_task_print_only_that_task():
     [
         ((), {}, "Missing `--from`"),
         (("--from=cloud",), {}, "--from"),
-        (("--from=hosts",), {}, "Missing `--workers`"),
+        (("--from=hosts",), {}, "Missing `--workers` (alias of `--hosts`)"),
+        (("--from=hosts", "--workers=a", "--chief=a,b"), {}, "--chief=a,b: expected one host"),
         (("--from=hosts", "--workers=a:0"), {}, "`workers[0]`"),
         (("--from=hosts", "--workers=a:3000,a:3000"), {}, "Duplicate address"),
         (("--from=hosts", "--workers=a", "--task=worker:1"), {}, "`--task`. Received: 'worker:1'"),

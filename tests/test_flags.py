@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 from unittest import mock
 
 import pytest
@@ -90,11 +91,15 @@ def test_bad_flags_fail_at_parse_time_naming_the_flag(args, match):
         (["--strategy=multi_worker", "--cpu_replicas=2"], {"TF_CONFIG": TWO_WORKERS}, 4),
         (["--cpu_replicas=2", f"--tf_config={TWO_WORKERS}"], {}, 4),
         (["--strategy=multi_worker"], {"TF_CONFIG": TWO_WORKERS}, None),
+        # auto's own rule: a named TPU wins over cpu_replicas, so the flags cannot tell.
+        (["--cpu_replicas=2"], {"TPU_NAME": "my-tpu"}, None),
+        (["--cpu_replicas=2", "--tpu=my-tpu"], {}, None),
+        (["--cpu_replicas=1"], {}, 1),
     ],
 )
 def test_expected_replicas_from_flags_alone(args, environ, replicas):
     fv = _parse(*args)
-    values = {name: fv[name].value for name in ("strategy", "cpu_replicas", "num_gpus", "tf_config")}
+    values = {name: fv[name].value for name in ("strategy", "cpu_replicas", "num_gpus", "tpu", "tf_config")}
     assert tfscale.flags.expected_replicas(values, environ) == replicas
 
 
@@ -126,3 +131,89 @@ def test_shipped_flagfiles_parse(path):
 def test_flagfiles_exist_for_each_strategy_the_readme_uses():
     names = {os.path.basename(p) for p in glob.glob(os.path.join(REPO, "flagfiles", "*.cfg"))}
     assert {"one_device.cfg", "mirrored.cfg", "multi_worker.cfg"} <= names
+
+
+# --- the cluster-source flags: one definition, one meaning in every binary -----------------------
+
+
+def _binary_flags():
+    from tfscale import cluster_cli
+    from tfscale.launch import launcher
+
+    defined = {}
+    for name, define in (
+        ("tfscale-launch", launcher.define_flags),
+        ("tfscale-tfconfig", cluster_cli.define_flags),
+    ):
+        fv = flags.FlagValues()
+        define(fv)
+        defined[name] = fv
+    return defined
+
+
+def test_cluster_source_flags_mean_the_same_in_every_binary():
+    launch, tfconfig = _binary_flags().values()
+    shared = [n for n in tfscale.flags.CLUSTER_SOURCE_FLAGS if n in launch and n in tfconfig]
+    assert {"hosts", "hostfile", "port", "chief", "evaluator"} <= set(shared)
+    for name in [*shared, "workers"]:
+        a, b = launch[name], tfconfig[name]
+        assert (type(a.parser), a.help, a.default, a.boolean) == (
+            type(b.parser),
+            b.help,
+            b.default,
+            b.boolean,
+        )
+    for fv in (launch, tfconfig):
+        fv(["prog", "--workers=a,b:2", "--chief", "--evaluator=e:3000"])
+        assert (fv.hosts, fv.chief, fv.evaluator) == (["a", "b:2"], True, "e:3000")
+        fv.unparse_flags()
+        fv(["prog", "--chief=node0", "--noevaluator"])
+        assert (fv.chief, fv.evaluator) == ("node0", False)
+
+
+def test_chief_takes_one_host_or_a_switch():
+    launch = _binary_flags()["tfscale-launch"]
+    with pytest.raises(
+        flags.IllegalFlagValueError, match=r"--chief=a,b: expected one host\[:port\] or true/false"
+    ):
+        launch(["prog", "--chief=a,b"])
+
+
+def test_no_binary_defines_flags_when_imported():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from absl import flags\n"
+        "import tfscale.cluster_cli, tfscale.launch.launcher, tfscale.train\n"
+        "found = [n for n in ('from', 'hosts', 'chief', 'num_workers', 'strategy') if n in flags.FLAGS]\n"
+        "sys.exit(f'defined at import: {found}' if found else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- one registry per kind of name, and the README's flag table lists it ----------------------
+
+
+def _readme_choices(flag):
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    match = re.search(rf"`--{flag}` (\w+(?:\\\|\w+)+)", text)
+    assert match, f"--{flag} is not in the README's flag table"
+    return match.group(1).split("\\|")
+
+
+def test_readme_flag_table_lists_each_registry():
+    from tfscale import models
+
+    assert _readme_choices("strategy") == list(tfscale.flags.STRATEGIES)
+    assert _readme_choices("model") == list(models.MODELS) == list(tfscale.flags.MODELS)
+    assert _readme_choices("optimizer") == list(tfscale.flags.OPTIMIZERS)
+
+
+def test_every_registered_optimizer_is_a_keras_optimizer():
+    import keras
+
+    for name, class_name in tfscale.flags.OPTIMIZERS.items():
+        assert issubclass(getattr(keras.optimizers, class_name), keras.optimizers.Optimizer), name

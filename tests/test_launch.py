@@ -262,6 +262,8 @@ def test_keras_compat_shim_keeps_a_users_own_sitecustomize(marker, tmp_path):
         (["--", "/nonexistent/program"], {}, "`COMMAND`. Received: '/nonexistent/program'"),
         (["--hosts", "a", "--remote_cmd", "nonexistent-ssh {host}", "--", "true"], {},
          "`--remote_cmd`. Received"),
+        (["--chief=node0", "--", "true"], {}, "`--chief`. Received: 'node0'. A local job runs every task"),
+        (["--chief=a,b", "--", "true"], {}, "--chief=a,b: expected one host[:port] or true/false"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(marker, tmp_path, args, env, message):
@@ -295,6 +297,23 @@ def test_hosts_job_starts_each_task_through_the_remote_command(marker):
     assert [v[:2] for v in seen.values()] == [("127.0.0.1", "0"), ("127.0.0.1", "0"), ("localhost", "1")]
     for index, (_, _, tf_config) in enumerate(seen.values()):
         assert tf_config == {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+
+
+def test_chief_and_evaluator_go_on_the_host_they_name_else_in_turn():
+    named = jobs.HostsJob(["true"], ["a", "b"], chief="c:3000", evaluator="b", num_ps=1, port=2222)
+    assert named.spec.cluster == {
+        "chief": ("c:3000",),
+        "worker": ("a:2222", "b:2222"),
+        "ps": ("a:2223",),
+        "evaluator": ("b:2223",),
+    }
+    assert [t.name for t in named(1)] == ["chief:0", "worker:0", "worker:1", "ps:0", "evaluator:0"]
+    in_turn = jobs.HostsJob(["true"], ["a", "b"], chief=True, evaluator=True, port=2222)
+    assert dict(in_turn.spec.cluster) == {
+        "chief": ("a:2222",),
+        "worker": ("a:2223", "b:2222"),
+        "evaluator": ("b:2223",),
+    }
 
 
 def test_remote_command_templates():

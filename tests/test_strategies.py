@@ -125,6 +125,9 @@ def _closed_port():
         ("one_device", {"device": "not a device"}, r"device='not a device'\. Expected a device name"),
         ("tpu", {"tpu": "my-tpu-name"}, r"No TPU reachable at `tpu='my-tpu-name'`"),
         ("tpu", {}, r"No TPU reachable at `tpu=None`"),
+        # The classes' own options too: a StrategyError, not Python's TypeError.
+        ("model_split", {"foo": 1}, r"Unknown option\(s\) \['foo'\] for strategy 'model_split'.*balance"),
+        ("pipeline", {"stages": 2}, r"Unknown option\(s\) \['stages'\] for strategy 'pipeline'.*num_stages"),
     ],
 )
 def test_bad_input_is_one_clear_error(name, options, match):
@@ -158,3 +161,18 @@ def test_auto_rejects_a_malformed_tf_config_instead_of_guessing():
     bad = json.dumps({"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2222"]}})
     with mock.patch.dict("os.environ", {"TF_CONFIG": bad}), pytest.raises(ValueError, match="uplicate"):
         get("auto")
+
+
+def test_strategy_names_are_one_registry_in_the_readme_and_the_flags():
+    import os
+    import re
+
+    import tfscale.flags
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with open(readme) as f:
+        table = re.findall(r'^\| `"(\w+)"` \|', f.read(), re.MULTILINE)
+    assert table == list(tfscale.strategies.NAMES)
+    # --strategy offers every name but the two that need a split model.
+    wraps_a_model = ("pipeline", "model_split")
+    assert list(tfscale.flags.STRATEGIES) == [n for n in tfscale.strategies.NAMES if n not in wraps_a_model]

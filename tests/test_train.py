@@ -203,6 +203,19 @@ def test_errors_found_after_tensorflow_starts_end_with_one_error_line(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
+def test_a_fully_torn_backup_dir_ends_the_binary_with_one_line_not_a_traceback(data_dir, tmp_path):
+    # UnusableBackupError (an OSError too) is a tfscale.Error, so tfscale-train reports it.
+    torn = tmp_path / "backup" / "ckpt-000000000010"
+    torn.mkdir(parents=True)
+    (torn / "manifest.json").write_text('{"files": {"state.npz": {"size": 1, "sha256": "0"}}}')
+    (torn / "state.npz").write_bytes(b"torn")
+    proc = _train_cli("--epochs=1", f"--data_dir={data_dir}", f"--backup_dir={tmp_path / 'backup'}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("tfscale-train: error: No usable backup in `backup_dir=")
+    assert "Traceback" not in proc.stderr
+
+
 def test_learning_rate_warmup_follows_the_linear_scaling_rule():
     warmup = LearningRateWarmup(0.1, warmup_epochs=1, steps_per_epoch=4, scale=2)
     seen = []

@@ -7,9 +7,12 @@ command-line tools such as `tfscale-tfconfig` start instantly.
 
 import importlib
 
+from tfscale.errors import Error
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "Error",
     "TfscaleWarning",
     "__version__",
     "callbacks",
@@ -20,7 +23,9 @@ __all__ = [
     "strategies",
 ]
 
-_SUBMODULES = frozenset(["callbacks", "cluster", "compat", "datasets", "flags", "launch", "strategies"])
+_SUBMODULES = frozenset(
+    ["callbacks", "cluster", "compat", "datasets", "errors", "flags", "launch", "strategies"]
+)
 
 
 class TfscaleWarning(UserWarning):

@@ -1,11 +1,13 @@
 """The error type of `tfscale.cluster`, in its own module so the parsers can raise it."""
 
+from tfscale.errors import Error
+
 __all__ = ["ClusterSpecError", "describe"]
 
 _MAX_SHOWN = 80
 
 
-class ClusterSpecError(ValueError):
+class ClusterSpecError(Error):
     """A cluster description (TF_CONFIG, hosts, hostfile, Slurm or Kubernetes variables) is invalid."""
 
 

@@ -15,7 +15,14 @@ Task types mean what they mean to TensorFlow: at most one `chief` (worker 0's ro
 when absent), any number of `worker`s, parameter servers `ps`, and at most one
 `evaluator`, which sits outside the collectives of `MultiWorkerMirroredStrategy`.
 
-This module imports no TensorFlow, so `tfscale-tfconfig` starts instantly.
+The spec is also the one answer to "who am I" for every other module: `is_chief`,
+`worker_index`, `num_workers`, `is_writer` (who writes backups, the model and logs) and
+`to_resolver()` for `tf.distribute`. `ClusterSpec.local()` is a single process outside
+any cluster, so callers never need a `None` case. `TF_CONFIG` is parsed here and only
+here (`from_env`, `from_tf_config`).
+
+This module imports no TensorFlow (`to_resolver` imports it when called), so
+`tfscale-tfconfig` starts instantly.
 """
 
 import dataclasses
@@ -34,6 +41,7 @@ _AT_MOST_ONE = ("chief", "evaluator")
 # `environment` is what the TFJob operator and Estimator add; TensorFlow reads the
 # other two. Anything else is most likely a typo of `cluster` or `task`.
 _TF_CONFIG_KEYS = ("cluster", "task", "environment", "rpc_layer", "session_master")
+_LOCAL = object()  # `ClusterSpec(_LOCAL)`: what `ClusterSpec.local()` builds, past the validation.
 
 
 class _Cluster(dict):
@@ -186,8 +194,40 @@ class ClusterSpec:
     task_index: Optional[int] = None
 
     def __post_init__(self):
+        if self.cluster is _LOCAL:
+            object.__setattr__(self, "cluster", _Cluster())
+            return
         object.__setattr__(self, "cluster", _normalize_cluster(self.cluster))
         _check_task(self.cluster, self.task_type, self.task_index)
+
+    @classmethod
+    def local(cls):
+        """One process outside any cluster: the chief, the writer, worker 0 of 1.
+
+        What `from_env(allow_unset=True)` returns when `TF_CONFIG` is not set. It has no
+        tasks and no addresses.
+        """
+        return cls(_LOCAL)
+
+    @classmethod
+    def from_resolver(cls, resolver):
+        """The cluster and task of a `tf.distribute` cluster resolver (`local()` if it names none).
+
+        Only the task types TensorFlow's multi-worker strategies know are kept; a
+        strategy that runs outside a cluster has an empty one.
+        """
+        cluster = {t: list(a) for t, a in resolver.cluster_spec().as_dict().items() if t in TASK_TYPES}
+        if not cluster:
+            return cls.local()
+        task_type = resolver.task_type
+        index = None if task_type is None else int(resolver.task_id or 0)
+        return cls(cluster, task_type, index)
+
+    @classmethod
+    def from_strategy(cls, strategy):
+        """The cluster a `tf.distribute` strategy runs in: its cluster resolver's, else `local()`."""
+        resolver = getattr(strategy, "cluster_resolver", None)
+        return cls.local() if resolver is None else cls.from_resolver(resolver)
 
     @classmethod
     def from_tf_config(cls, config):
@@ -219,11 +259,19 @@ class ClusterSpec:
         return cls(cluster, task_type, index)
 
     @classmethod
-    def from_env(cls, environ=None):
-        """Parses the `TF_CONFIG` variable of `environ` (default `os.environ`)."""
+    def from_env(cls, environ=None, *, allow_unset=False):
+        """Parses the `TF_CONFIG` variable of `environ` (default `os.environ`).
+
+        Args:
+            environ: the environment mapping (default `os.environ`).
+            allow_unset: return `ClusterSpec.local()` when `TF_CONFIG` is unset or
+                blank, instead of raising.
+        """
         environ = os.environ if environ is None else environ
         text = environ.get("TF_CONFIG", "")
         if not text.strip():
+            if allow_unset:
+                return cls.local()
             raise ClusterSpecError(
                 "`TF_CONFIG` is not set. Expected a JSON cluster description in the environment."
             )
@@ -297,7 +345,7 @@ class ClusterSpec:
         """
         environ = os.environ if environ is None else environ
         if environ.get("TF_CONFIG", "").strip():
-            return cls.from_tf_config(environ["TF_CONFIG"])
+            return cls.from_env(environ)
         cluster, ordinal = _kubernetes.cluster_from_statefulset(
             environ,
             port=_hosts.check_port(port),
@@ -318,9 +366,73 @@ class ClusterSpec:
         return sum(len(addresses) for addresses in self.cluster.values())
 
     @property
+    def is_local(self):
+        """True for `ClusterSpec.local()`: one process, no cluster."""
+        return not self.cluster
+
+    @property
     def num_workers(self):
-        """Workers as `MultiWorkerMirroredStrategy` counts them: the chief plus the workers."""
+        """Workers as `MultiWorkerMirroredStrategy` counts them: the chief plus the workers (1 if local)."""
+        if self.is_local:
+            return 1
         return len(self.cluster.get("chief", ())) + len(self.cluster.get("worker", ()))
+
+    @property
+    def worker_index(self):
+        """This task's place among the `num_workers` (chief first, as TensorFlow numbers them).
+
+        0 when local; None for a `ps` or `evaluator` task, or when no task is set.
+        """
+        if self.is_local:
+            return 0
+        if self.task_type not in ("chief", "worker"):
+            return None
+        return self.task_index + (1 if self.task_type == "worker" and "chief" in self.cluster else 0)
+
+    @property
+    def is_multi_worker(self):
+        """True when this task is one of several workers (it joins the collectives)."""
+        return self.num_workers > 1 and self.worker_index is not None
+
+    @property
+    def is_chief(self):
+        """True for the task that leads the job: `chief`, or worker 0 when the cluster has no chief.
+
+        Also True when local, or when no task is set (a process that only describes the
+        cluster). `ps` and `evaluator` tasks are never chief.
+        """
+        if self.is_local or self.task_type is None:
+            return True
+        if "chief" in self.cluster:
+            return self.task_type == "chief"
+        return self.task_type == "worker" and self.task_index == 0
+
+    @property
+    def is_writer(self):
+        """True for the one task that writes backups, the final model and logs: the chief.
+
+        Every other task reads; two writers of one directory would race.
+        """
+        return self.is_chief
+
+    @property
+    def task_label(self):
+        """ "type:index" of this task, or "local" when this process is no task of a cluster."""
+        return "local" if self.task_type is None else f"{self.task_type}:{self.task_index}"
+
+    def to_resolver(self):
+        """A `tf.distribute.cluster_resolver.SimpleClusterResolver` of this cluster and task.
+
+        Imports TensorFlow. Local gives an empty cluster, as TensorFlow has outside one.
+        """
+        import tensorflow as tf
+
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({t: list(a) for t, a in self.cluster.items()}),
+            task_type=self.task_type,
+            task_id=self.task_index,
+            rpc_layer="grpc",
+        )
 
     def with_task(self, task_type, index):
         """The same cluster with this process's task set to (`task_type`, `index`)."""

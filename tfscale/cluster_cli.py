@@ -14,15 +14,19 @@ import os
 import shlex
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from tfscale import _jobfiles
-from tfscale.cluster import TASK_TYPES, ClusterSpec, ClusterSpecError
+from tfscale import errors
+from tfscale import flags as tfscale_flags
+from tfscale.cluster import TASK_TYPES, ClusterSpec
+from tfscale.launch import _jobfiles, _remote
 
 __all__ = ["define_flags", "main", "run"]
 
+_PROG = "tfscale-tfconfig"
+
 _SOURCE_FLAGS = {
-    "hosts": ("workers", "chief", "ps", "evaluator", "port"),
+    "hosts": ("hosts", "chief", "ps", "evaluator", "port"),
     "hostfile": ("hostfile", "port"),
     "slurm": ("port",),
     "env": (),
@@ -30,34 +34,19 @@ _SOURCE_FLAGS = {
 }
 _SBATCH_FLAGS = ("sbatch", "nodes", "ntasks_per_node", "partition", "time")
 _TFJOB_FLAGS = ("tfjob", "image", "replicas", "namespace")
-_PRINT_FLAGS = ("from", "task", "format", "workers", "chief", "ps", "evaluator", "hostfile")
+_PRINT_FLAGS = ("from", "task", "format", "hosts", "chief", "ps", "evaluator", "hostfile")
 
 
-class _UsageError(ValueError):
-    pass
+class _UsageError(errors.Error):
+    """Flags that do not go together (names them and what was expected)."""
 
 
 def define_flags(flag_values):
     """Defines the flags of `tfscale-tfconfig` on `flag_values`."""
     fv = flag_values
     flags.DEFINE_enum("from", None, list(_SOURCE_FLAGS), "Where the cluster is described.", flag_values=fv)
-    flags.DEFINE_list(
-        "workers", [], "Worker hosts: host, host:port (1024-65535) or host:slots (1-1023).", flag_values=fv
-    )
-    flags.DEFINE_string("chief", None, "Chief host (host or host:port).", flag_values=fv)
-    flags.DEFINE_list("ps", [], "Parameter-server hosts, like --workers.", flag_values=fv)
-    flags.DEFINE_string("evaluator", None, "Evaluator host (host or host:port).", flag_values=fv)
-    flags.DEFINE_string(
-        "hostfile", None, "Hostfile with 'host slots=N' lines (--from=hostfile).", flag_values=fv
-    )
-    flags.DEFINE_integer(
-        "port",
-        2222,
-        "Base port: the first port on each host.",
-        lower_bound=1,
-        upper_bound=65535,
-        flag_values=fv,
-    )
+    # --hosts (--workers), --chief, --ps, --evaluator, --hostfile, --port: as in tfscale-launch.
+    tfscale_flags.define_cluster_source_flags(fv, ("hosts", "hostfile", "port", "chief", "ps", "evaluator"))
     flags.DEFINE_string(
         "task",
         None,
@@ -85,10 +74,6 @@ def define_flags(flag_values):
     flags.DEFINE_string("job_name", "tfscale", "Job name (--sbatch, --tfjob).", flag_values=fv)
 
 
-FLAGS = flags.FLAGS
-define_flags(FLAGS)
-
-
 def _present(fv, names):
     return [name for name in names if fv[name].present]
 
@@ -106,11 +91,7 @@ def _spec(fv):
     unused = [n for names in _SOURCE_FLAGS.values() for n in names if n not in _SOURCE_FLAGS[source]]
     _forbid(fv, unused, f"with --from={source}")
     if source == "hosts":
-        if not (fv.workers or fv.chief):
-            raise _UsageError(
-                "Missing `--workers` (or `--chief`) for --from=hosts. Expected e.g. --workers=node1,node2."
-            )
-        return ClusterSpec.from_hosts(fv.workers, fv.chief, fv.ps, fv.evaluator, fv.port)
+        return _spec_from_hosts(fv)
     if source == "hostfile":
         if not fv.hostfile:
             raise _UsageError("Missing `--hostfile` for --from=hostfile. Expected the path of a hostfile.")
@@ -120,6 +101,20 @@ def _spec(fv):
     if source == "kubernetes":
         return ClusterSpec.from_kubernetes(os.environ, port=fv.port)
     return ClusterSpec.from_env(os.environ)
+
+
+def _spec_from_hosts(fv):
+    workers = fv.hosts or []
+    if not (workers or isinstance(fv.chief, str)):
+        raise _UsageError(
+            "Missing `--workers` (alias of `--hosts`), or `--chief=HOST`, for --from=hosts. Expected e.g. "
+            "--workers=node1,node2."
+        )
+    # A bare --chief / --evaluator goes on the first host, as tfscale-launch places it.
+    first = _remote.host_of(workers[0]) if workers else None
+    chief = first if fv.chief is True else (fv.chief or None)
+    evaluator = first if fv.evaluator is True else (fv.evaluator or None)
+    return ClusterSpec.from_hosts(workers, chief, fv.ps, evaluator, fv.port)
 
 
 def _selected_tasks(spec, task):
@@ -196,7 +191,7 @@ def _write_job_files(fv):
         print(f"wrote {path}")
 
 
-def main(argv, flag_values=FLAGS):
+def main(argv, flag_values):
     """Runs the command with parsed `flag_values`; returns the exit code."""
     fv = flag_values
     try:
@@ -207,27 +202,24 @@ def main(argv, flag_values=FLAGS):
         else:
             _forbid(fv, (*_SBATCH_FLAGS, *_TFJOB_FLAGS, "command", "job_name"), "without --sbatch or --tfjob")
             _print_tf_configs(fv)
-    except (ClusterSpecError, _UsageError) as e:
-        return _fail(str(e))
+    except errors.Error as e:  # ClusterSpecError, bad flag combinations: one line.
+        return errors.report(_PROG, e)
     return 0
 
 
-def _fail(message):
-    first_line = (message.strip().splitlines() or ["error"])[0]
-    print(f"tfscale-tfconfig: error: {first_line}", file=sys.stderr)
-    return 2
-
-
-def _parse_flags(argv):
+def run(argv=None):
+    """Console-script entry point (`tfscale-tfconfig`), on its own `FlagValues`: exits with the status."""
+    argv = list(sys.argv if argv is None else argv)
+    fv = flags.FlagValues()
+    define_flags(fv)
+    if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv[1:]):
+        print(__doc__ + "\n" + fv.get_help())
+        sys.exit(0)
     try:
-        return FLAGS(argv)
+        rest = fv(argv)  # --flagfile is handled here too.
     except flags.Error as e:
-        sys.exit(_fail(str(e)))
-
-
-def run():
-    """Console-script entry point (`tfscale-tfconfig`)."""
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=_parse_flags)
+        sys.exit(errors.report(_PROG, e))
+    sys.exit(main(rest, fv))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ import os
 
 from absl import flags
 
+from tfscale import _auto
+from tfscale import models as _models
+
 __all__ = [
+    "CLUSTER_SOURCE_FLAGS",
     "DATASET_PREFIXES",
     "MODELS",
     "OPTIMIZERS",
@@ -23,6 +27,7 @@ __all__ = [
     "cluster_spec",
     "define_all",
     "define_cluster_flags",
+    "define_cluster_source_flags",
     "define_data_flags",
     "define_fault_tolerance_flags",
     "define_output_flags",
@@ -33,11 +38,13 @@ __all__ = [
     "strategy_args",
 ]
 
-# Strategies a data-parallel binary can run (pipeline / model_split need a split model).
+# Strategies a data-parallel binary can run: `tfscale.strategies.NAMES` less the two that
+# need a split model (tests/test_flags.py holds the two lists and the README to this).
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu")
-OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop")
+# The optimizer registry: `--optimizer` name -> class in `keras.optimizers` (train.py builds it).
+OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop"}
 DATASET_PREFIXES = ("digits", "tfds:", "synthetic:")
-MODELS = ("mlp", "cnn", "transformer")  # tfscale.models.MODELS, named here without importing Keras.
+MODELS = tuple(_models.MODELS)  # The registry itself, `tfscale.models.MODELS` (imports no Keras).
 
 
 def _positive_or_none(value):
@@ -72,19 +79,43 @@ def define_strategy_flags(fv):
     flags.mark_flags_as_mutual_exclusive(["cpu_replicas", "num_gpus"], flag_values=fv)
 
 
+def _tf_config_text(value):
+    """The TF_CONFIG JSON of `--tf_config`: the value itself, or the file it names (read once, here)."""
+    from tfscale.cluster import ClusterSpecError
+
+    if value.lstrip().startswith("{"):
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ClusterSpecError(
+            f"--tf_config={value!r} is neither JSON nor an existing file "
+            f"({getattr(e, 'strerror', None) or e}). Expected TF_CONFIG JSON or the path of a file "
+            "holding it."
+        ) from None
+
+
+def _cluster_of(tf_config, environ):
+    """The `ClusterSpec` of `--tf_config`, else of `$TF_CONFIG` in `environ`, else `local()`."""
+    from tfscale.cluster import ClusterSpec
+
+    if tf_config is None:
+        return ClusterSpec.from_env(environ, allow_unset=True)
+    return ClusterSpec.from_tf_config(_tf_config_text(tf_config))
+
+
 def _valid_tf_config(value):
+    from tfscale.cluster import ClusterSpecError
+
     if value is None:
         return True
-    from tfscale.cluster import ClusterSpec, ClusterSpecError
-
-    text = value
-    if not value.lstrip().startswith("{"):
-        if not os.path.isfile(value):
-            raise flags.ValidationError(f"--tf_config={value!r} is neither JSON nor an existing file.")
-        with open(value) as f:
-            text = f.read()
     try:
-        ClusterSpec.from_tf_config(text)
+        text = _tf_config_text(value)
+    except ClusterSpecError as e:
+        raise flags.ValidationError(str(e)) from None
+    try:
+        _cluster_of(text, {})
     except ClusterSpecError as e:
         raise flags.ValidationError(f"--tf_config: {e}") from None
     return True
@@ -99,6 +130,93 @@ def define_cluster_flags(fv):
         flag_values=fv,
     )
     flags.register_validator("tf_config", _valid_tf_config, flag_values=fv)
+
+
+class _TaskPlacementParser(flags.ArgumentParser):
+    """`--chief` / `--evaluator`: bare (or true/false) switches the task on or off; `=HOST` places it."""
+
+    syntactic_help = "bare, true/false, or a host[:port]"
+
+    def parse(self, argument):
+        if isinstance(argument, bool) or argument is None:
+            return argument
+        text = str(argument).strip()
+        if text.lower() in ("true", "t", "1", "yes"):
+            return True
+        if text.lower() in ("false", "f", "0", "no"):
+            return False
+        if not text or "," in text:
+            raise ValueError(f"expected one host[:port] or true/false, received {argument!r}")
+        return text
+
+    def flag_type(self):
+        return "bool or host"
+
+
+class _TaskPlacementFlag(flags.Flag):
+    def __init__(self, name, help_text):
+        super().__init__(_TaskPlacementParser(), None, name, False, help_text)
+        self.boolean = True  # `--chief` alone means true, as it always did for the launcher.
+
+    def _serialize(self, value):
+        if isinstance(value, str):
+            return f"--{self.name}={value}"
+        return super()._serialize(value)
+
+
+# The cluster-source flags, one definition each, shared by `tfscale-launch` and
+# `tfscale-tfconfig` (each binary defines the ones it takes). One meaning per name:
+# `--hosts` lists worker hosts (`--workers` is its alias); `--chief` / `--evaluator` add
+# that task, bare on the first host (this host for a local job) or `=HOST` on HOST.
+_CLUSTER_SOURCE_FLAGS = {
+    "hosts": lambda fv: (
+        flags.DEFINE_list(
+            "hosts",
+            None,
+            "Worker hosts: host, host:port (1024-65535) or host:slots (1-1023). Alias: --workers.",
+            flag_values=fv,
+        ),
+        flags.DEFINE_alias("workers", "hosts", flag_values=fv),
+    ),
+    "hostfile": lambda fv: flags.DEFINE_string(
+        "hostfile",
+        None,
+        "File of 'host slots=N' lines (MPI/DeepSpeed style), instead of --hosts.",
+        flag_values=fv,
+    ),
+    "port": lambda fv: flags.DEFINE_integer(
+        "port",
+        2222,
+        "Base port: the first port on each host.",
+        lower_bound=1,
+        upper_bound=65535,
+        flag_values=fv,
+    ),
+    "chief": lambda fv: flags.DEFINE_flag(
+        _TaskPlacementFlag("chief", "Add a chief task: bare on the first host, or --chief=HOST[:PORT]."), fv
+    ),
+    "evaluator": lambda fv: flags.DEFINE_flag(
+        _TaskPlacementFlag(
+            "evaluator", "Add an evaluator task: bare on a host in turn, or --evaluator=HOST[:PORT]."
+        ),
+        fv,
+    ),
+    "ps": lambda fv: flags.DEFINE_list("ps", [], "Parameter-server hosts, like --hosts.", flag_values=fv),
+    "num_ps": lambda fv: flags.DEFINE_integer(
+        "num_ps",
+        0,
+        "Parameter-server tasks, on the hosts in turn (needs --chief).",
+        lower_bound=0,
+        flag_values=fv,
+    ),
+}
+CLUSTER_SOURCE_FLAGS = tuple(_CLUSTER_SOURCE_FLAGS)
+
+
+def define_cluster_source_flags(fv, names=CLUSTER_SOURCE_FLAGS):
+    """Defines the cluster-source flags `names` (a subset of `CLUSTER_SOURCE_FLAGS`) in `fv`."""
+    for name in names:
+        _CLUSTER_SOURCE_FLAGS[name](fv)
 
 
 def _valid_dataset(value):
@@ -172,7 +290,7 @@ def define_training_flags(fv):
     flags.DEFINE_float(
         "learning_rate", 0.003, "Learning rate (per replica with --lr_scaling=linear).", flag_values=fv
     )
-    flags.DEFINE_enum("optimizer", "adam", OPTIMIZERS, "Optimizer.", flag_values=fv)
+    flags.DEFINE_enum("optimizer", "adam", list(OPTIMIZERS), "Optimizer.", flag_values=fv)
     flags.DEFINE_float(
         "lr_warmup_epochs", 0.0, "Linear warmup, per step, over this many epochs.", flag_values=fv
     )
@@ -236,33 +354,32 @@ def define_output_flags(fv):
     )
 
 
-def _flag_cluster_workers(tf_config, environ):
-    from tfscale.cluster import ClusterSpec, ClusterSpecError
-
-    text = tf_config
-    if text is not None and not text.lstrip().startswith("{"):
-        with open(text) as f:
-            text = f.read()
-    text = text if text is not None else environ.get("TF_CONFIG", "")
-    try:
-        return ClusterSpec.from_tf_config(text).num_workers if text.strip() else 1
-    except ClusterSpecError:
-        return None  # Reported by the --tf_config validator or when the strategy is built.
-
-
 def expected_replicas(values, environ=None):
     """Replicas in sync implied by the strategy flags alone, or None when only TensorFlow can tell.
 
     Lets a batch size that cannot be split fail at parse time, before TensorFlow starts.
+    "auto" is resolved by the rule `strategies.get("auto")` itself applies.
     """
+    from tfscale.cluster import ClusterSpecError
+
     environ = os.environ if environ is None else environ
     strategy, cpus, gpus = values["strategy"], values["cpu_replicas"], values["num_gpus"]
-    workers = _flag_cluster_workers(values["tf_config"], environ)
+    try:
+        workers = _cluster_of(values["tf_config"], environ).num_workers
+    except ClusterSpecError:
+        return None  # Reported by the --tf_config validator or when the strategy is built.
+    if strategy == "auto":
+        if not cpus and workers == 1:
+            return None  # Then the GPUs decide, and only TensorFlow can count them.
+        # With cpu_replicas given, the GPU count no longer changes how many replicas there are.
+        strategy, _ = _auto.choose(
+            tpu=_auto.tpu_named(values.get("tpu"), environ), num_workers=workers, gpus=0, cpu_replicas=cpus
+        )
     if strategy in ("one_device", "default"):
         return 1
-    if strategy == "multi_worker" or (strategy == "auto" and workers and workers > 1):
-        return workers * cpus if workers and cpus else None
-    if strategy in ("mirrored", "auto"):
+    if strategy == "multi_worker":
+        return workers * cpus if cpus else None
+    if strategy == "mirrored":
         return cpus or gpus
     return None
 
@@ -291,7 +408,7 @@ def define_all(fv):
     ):
         define(fv)
     flags.register_multi_flags_validator(
-        ["strategy", "cpu_replicas", "num_gpus", "tf_config", "global_batch_size"],
+        ["strategy", "cpu_replicas", "num_gpus", "tpu", "tf_config", "global_batch_size"],
         _valid_batch_split,
         flag_values=fv,
     )
@@ -319,13 +436,5 @@ def strategy_args(fv):
 
 def cluster_spec(fv, environ=None):
     """The `ClusterSpec` of `--tf_config`, else of `$TF_CONFIG`, else None (single process)."""
-    from tfscale.cluster import ClusterSpec
-
-    value = fv.tf_config
-    if value is None:
-        environ = os.environ if environ is None else environ
-        return ClusterSpec.from_env(environ) if environ.get("TF_CONFIG", "").strip() else None
-    if not value.lstrip().startswith("{"):
-        with open(value) as f:
-            value = f.read()
-    return ClusterSpec.from_tf_config(value)
+    spec = _cluster_of(fv.tf_config, os.environ if environ is None else environ)
+    return None if spec.is_local else spec

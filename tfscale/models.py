@@ -1,5 +1,8 @@
 """The model registry of `tfscale-train`: small classifiers, and `module.path:factory` for yours.
 
+Keras is imported when a model is built, not with this module, so `tfscale.flags` checks
+`--model` against `MODELS` itself before TensorFlow starts.
+
 Every factory is called as `factory(input_shape, num_classes)` inside `strategy.scope()`
 and returns an uncompiled `keras.Model` whose output is logits (float32, also under a
 mixed-precision policy, so the loss is computed in float32).
@@ -7,21 +10,25 @@ mixed-precision policy, so the loss is computed in float32).
 
 import importlib
 
-import keras
+from tfscale.errors import Error
 
 __all__ = ["MODELS", "ModelError", "build", "cnn", "mlp", "transformer"]
 
 
-class ModelError(ValueError):
+class ModelError(Error):
     """A `--model` name or factory that cannot build a model (names the value and the choices)."""
 
 
 def _logits(x, num_classes):
+    import keras
+
     return keras.layers.Dense(num_classes, dtype="float32", name="logits")(x)
 
 
 def mlp(input_shape, num_classes, hidden=(128, 64)):
     """A multilayer perceptron over the flattened input."""
+    import keras
+
     inputs = keras.Input(input_shape)
     x = keras.layers.Flatten()(inputs)
     for width in hidden:
@@ -36,6 +43,8 @@ def cnn(input_shape, num_classes, filters=(32, 64)):
             f"Model 'cnn' needs (height, width, channels) inputs. Received: "
             f"input_shape={tuple(input_shape)}. Expected an image dataset, or --model=mlp / transformer."
         )
+    import keras
+
     inputs = keras.Input(input_shape)
     x = inputs
     for f in filters:
@@ -47,6 +56,8 @@ def cnn(input_shape, num_classes, filters=(32, 64)):
 
 
 def _encoder_block(x, width, heads):
+    import keras
+
     attended = keras.layers.MultiHeadAttention(heads, width // heads)(x, x)
     x = keras.layers.LayerNormalization()(x + attended)
     hidden = keras.layers.Dense(2 * width, activation="relu")(x)
@@ -59,6 +70,8 @@ def transformer(input_shape, num_classes, *, width=64, heads=4, blocks=2, vocab_
     Images (H, W, C) are read as H tokens of W*C features (rows as a sequence); integer
     token sequences (LENGTH,) are embedded (`vocab_size` required for those).
     """
+    import keras
+
     inputs = keras.Input(input_shape, dtype="int32" if vocab_size else "float32")
     if vocab_size:
         x = keras.layers.Embedding(vocab_size, width)(inputs)
@@ -113,6 +126,8 @@ def build(name, input_shape, num_classes, **options):
         ModelError: unknown name, a factory that cannot be imported, or a model that
             does not fit the input.
     """
+    import keras
+
     model = _factory(name)(tuple(input_shape), num_classes, **options)
     if not isinstance(model, keras.Model):
         raise ModelError(

@@ -21,8 +21,9 @@ from typing import Any, Optional
 
 from absl import flags
 
-from tfscale import _quiet
+from tfscale import _quiet, errors
 from tfscale import flags as tfscale_flags
+from tfscale.errors import Error
 
 __all__ = [
     "RESULT_PREFIX",
@@ -40,7 +41,7 @@ DEFAULT_GLOBAL_BATCH_SIZE = 64
 _log = logging.getLogger("tfscale")
 
 
-class TrainError(ValueError):
+class TrainError(Error):
     """A training option that cannot be honoured (names the value and what was expected)."""
 
 
@@ -50,7 +51,7 @@ class TrainConfig:
 
     strategy: str = "auto"
     strategy_options: Any = dataclasses.field(default_factory=dict)
-    cluster: Any = None  # a tfscale.cluster.ClusterSpec, or None for one process
+    cluster: Any = None  # a tfscale.cluster.ClusterSpec; None: $TF_CONFIG, else one process
     dataset: str = "digits"
     data_dir: Optional[str] = None
     global_batch_size: Optional[int] = None
@@ -116,31 +117,10 @@ def config_from_flags(fv):
     )
 
 
-def _is_chief(cluster):
-    if cluster is None or cluster.task_type is None:
-        return True
-    if "chief" in cluster.cluster:
-        return cluster.task_type == "chief"
-    return cluster.task_type == "worker" and cluster.task_index == 0
+def _cluster(config):
+    from tfscale.cluster import ClusterSpec
 
-
-def _make_strategy(config):
-    import tensorflow as tf
-
-    import tfscale.strategies
-
-    cluster = config.cluster
-    name, options = config.strategy, dict(config.strategy_options)
-    multi = cluster is not None and cluster.num_workers > 1 and cluster.task_type in ("chief", "worker")
-    if multi and name in ("auto", "multi_worker"):
-        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec({k: list(v) for k, v in cluster.cluster.items()}),
-            task_type=cluster.task_type,
-            task_id=cluster.task_index,
-            rpc_layer="grpc",
-        )
-        return "multi_worker", tfscale.strategies.get("multi_worker", cluster_resolver=resolver, **options)
-    return name, tfscale.strategies.get(name, **options)
+    return config.cluster if config.cluster is not None else ClusterSpec.from_env(allow_unset=True)
 
 
 def _global_batch(config, replicas):
@@ -162,9 +142,8 @@ def _eval_dataset(config, strategy, global_batch):
                 data_dir=config.data_dir,
                 sharding=config.sharding,
             ), split
-        except tfscale.datasets.DatasetError as e:
-            if not str(e).startswith("Unknown split"):
-                raise
+        except tfscale.datasets.UnknownSplitError:
+            continue  # Try the next split name; any other DatasetError is the user's to see.
     return None, None
 
 
@@ -191,18 +170,12 @@ def _datasets(config, strategy, global_batch):
 def _optimizer(config, learning_rate):
     import keras
 
-    classes = {
-        "adam": keras.optimizers.Adam,
-        "adamw": keras.optimizers.AdamW,
-        "sgd": keras.optimizers.SGD,
-        "rmsprop": keras.optimizers.RMSprop,
-    }
-    if config.optimizer not in classes:
+    if config.optimizer not in tfscale_flags.OPTIMIZERS:
         raise TrainError(
             f"Invalid value for `optimizer`. Received: optimizer={config.optimizer!r}. "
-            f"Expected one of {sorted(classes)}."
+            f"Expected one of {sorted(tfscale_flags.OPTIMIZERS)}."
         )
-    return classes[config.optimizer](learning_rate)
+    return getattr(keras.optimizers, tfscale_flags.OPTIMIZERS[config.optimizer])(learning_rate)
 
 
 def _callbacks(config, strategy, info, steps_per_epoch, is_chief):
@@ -314,16 +287,20 @@ def train(config):
         A `TrainResult` (history, evaluation, throughput, where the model was saved).
 
     Raises:
-        TrainError, StrategyError, DatasetError, ModelError, ClusterSpecError: options
-            that cannot be honoured (each a `ValueError` with a one-line message).
+        tfscale.Error: options that cannot be honoured (`TrainError`, `StrategyError`,
+            `DatasetError`, `ModelError`, `ClusterSpecError`, `BackupError`, ...), each
+            with a one-line message.
     """
     import keras
 
-    name, strategy = _make_strategy(config)
-    name = f"{name} ({type(strategy).__name__})"
+    import tfscale.strategies
+
+    cluster = _cluster(config)
+    strategy = tfscale.strategies.get(config.strategy, cluster=cluster, **config.strategy_options)
+    name = f"{config.strategy} ({type(strategy).__name__})"
     replicas = strategy.num_replicas_in_sync
     _check_steps_per_execution(config, strategy)
-    is_chief = _is_chief(config.cluster)
+    is_chief = cluster.is_writer  # Writes the logs and the model; prints Keras's progress.
     keras.mixed_precision.set_global_policy(config.mixed_precision)
     # tf.data combines an op's seed with the global seed: fix both before the datasets exist.
     keras.utils.set_random_seed(config.seed)
@@ -358,12 +335,11 @@ def train(config):
     if eval_ds is not None:
         logs = model.evaluate(eval_ds, return_dict=True, verbose=0)
         evaluation = {f"{eval_split}_{k}": v for k, v in logs.items()}
-    cluster = config.cluster
     fields = dict(
         strategy=name,
         num_replicas=replicas,
         num_workers=info.num_workers,
-        task=f"{cluster.task_type}:{cluster.task_index}" if cluster and cluster.task_type else "local",
+        task=cluster.task_label,
         is_chief=is_chief,
         global_batch_size=global_batch,
         sharding=info.sharding,
@@ -415,18 +391,11 @@ def main(argv, fv):
     return result
 
 
-def _error_types():
-    from tfscale.callbacks import BackupError
-    from tfscale.cluster import ClusterSpecError
-    from tfscale.datasets import DatasetError
-    from tfscale.models import ModelError
-    from tfscale.strategies import StrategyError
-
-    return (TrainError, BackupError, ClusterSpecError, DatasetError, ModelError, StrategyError)
-
-
 def run(argv=None):
-    """Console script `tfscale-train`: bad input is one line on stderr and exit status 2."""
+    """Console script `tfscale-train`: a `tfscale.Error` is one line on stderr and its exit status.
+
+    Bad input (a flag, a TF_CONFIG, an option) exits 2; a run that failed exits 1.
+    """
     argv = list(sys.argv if argv is None else argv)
     prog = "tfscale-train"
     fv = flags.FlagValues()
@@ -437,11 +406,10 @@ def run(argv=None):
     try:
         fv(argv)
     except flags.Error as e:
-        text = str(e).splitlines()[0]
+        text = errors.first_line(e)
         if text.startswith("flags ") and ": --" in text:
             text = "--" + text.split(": --", 1)[1]  # Multi-flag validators: our message names the flags.
-        print(f"{prog}: error: {text}", file=sys.stderr)
-        return 2
+        return errors.report(prog, text)
     # TensorFlow's C++ INFO/WARNING lines would bury the one-line errors and the summary.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     _quiet.import_tensorflow()
@@ -452,9 +420,8 @@ def run(argv=None):
     _log.setLevel(logging.INFO)
     try:
         main(argv, fv)
-    except _error_types() as e:
-        print(f"{prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+    except Error as e:  # Every tfscale error, and nothing else: a bug still shows its traceback.
+        return errors.report(prog, e)
     return 0
 
 

@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfscale.compat.keras_mask import get_keras_mask
+from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._placement import on_device
 
 __all__ = [
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 
-class ModelSplitError(ValueError):
+class ModelSplitError(StrategyError):
     """A layer that cannot be split as asked (names the layer, the value and what fits)."""
 
 

@@ -1,10 +1,10 @@
 """Who writes the backup in a cluster, and a check that every worker restored the same one."""
 
 import dataclasses
-import json
-import os
 
 import tensorflow as tf
+
+from tfscale.cluster import ClusterSpec
 
 __all__ = ["Role", "all_agree", "role"]
 
@@ -23,35 +23,19 @@ class Role:
         return f"{self.task_type}:{self.task_id}"
 
 
-def _cluster(strategy, environ):
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is not None:
-        spec = resolver.cluster_spec().as_dict()
-        if spec:
-            return spec, resolver.task_type, int(resolver.task_id or 0)
-    try:
-        tf_config = json.loads(environ.get("TF_CONFIG") or "{}")
-    except ValueError:
-        tf_config = {}
-    task = tf_config.get("task") or {}
-    return tf_config.get("cluster") or {}, task.get("type", "worker"), int(task.get("index", 0))
-
-
 def role(strategy, environ=None):
-    """The task of this process (from the strategy's cluster resolver, else `TF_CONFIG`).
+    """The task of this process: the strategy's cluster, else `TF_CONFIG` in `environ`.
 
-    The writer is the chief, or worker 0 when the cluster has no chief, or the only
-    process when there is no cluster. Other tasks never write to `backup_dir`.
+    `ClusterSpec.is_writer` decides who writes (the chief, or worker 0 when the cluster
+    has no chief, or the only process when there is no cluster); other tasks never
+    write to `backup_dir`. The environment counts for tasks whose strategy runs outside
+    the cluster (an evaluator's), which must not write either.
     """
-    cluster, task_type, task_id = _cluster(strategy, os.environ if environ is None else environ)
-    num_workers = sum(len(cluster.get(t, ())) for t in ("chief", "worker")) or 1
-    if num_workers == 1:
-        writer = True
-    elif cluster.get("chief"):
-        writer = task_type == "chief"
-    else:
-        writer = task_type == "worker" and task_id == 0
-    return Role(task_type, task_id, num_workers, writer)
+    spec = ClusterSpec.from_strategy(strategy)
+    if spec.is_local:
+        spec = ClusterSpec.from_env(environ, allow_unset=True)
+    task_type, task_id = (spec.task_type, spec.task_index) if spec.task_type else ("worker", 0)
+    return Role(task_type, task_id, spec.num_workers or 1, spec.is_writer)
 
 
 def _sum_across_workers(strategy, value):

@@ -23,6 +23,8 @@ import uuid
 
 import numpy as np
 
+from tfscale.errors import Error
+
 __all__ = ["BackupStore", "LoadedBackup", "UnusableBackupError"]
 
 _log = logging.getLogger("tfscale")
@@ -35,7 +37,7 @@ _STATE = "state.npz"
 _MANIFEST = "manifest.json"
 
 
-class UnusableBackupError(OSError):
+class UnusableBackupError(Error, OSError):
     """A backup directory that is torn, truncated or corrupt (never loaded)."""
 
 

@@ -11,6 +11,7 @@ import tensorflow as tf
 from tfscale.callbacks import _backup_cluster, _backup_keras
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
 from tfscale.callbacks._backup_store import BackupStore, UnusableBackupError
+from tfscale.errors import Error
 
 __all__ = [
     "RESTART_EXIT_CODE",
@@ -23,7 +24,7 @@ __all__ = [
 _log = logging.getLogger("tfscale")
 
 
-class BackupError(ValueError):
+class BackupError(Error):
     """Bad arguments for `BackupAndRestore`, or a backup this training cannot use."""
 
 

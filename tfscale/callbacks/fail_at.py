@@ -7,13 +7,14 @@ import sys
 import keras
 
 from tfscale.callbacks import _backup_cluster
+from tfscale.errors import Error
 
 __all__ = ["FailAt", "FailAtError", "InjectedFault"]
 
 _MODES = ("raise", "sigkill", "sigterm")
 
 
-class FailAtError(ValueError):
+class FailAtError(Error):
     """Bad arguments for `FailAt`."""
 
 

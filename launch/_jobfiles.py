@@ -1,4 +1,6 @@
-"""Job files for `tfscale-tfconfig`: a Slurm sbatch script and a Kubeflow TFJob manifest.
+"""Job files for a cluster: a Slurm sbatch script and a Kubeflow TFJob manifest.
+
+Starting a job is the launcher's concern, so they live here; `tfscale-tfconfig` writes them.
 
 Both are plain text built here without extra dependencies (the YAML uses JSON-quoted
 scalars, which every YAML parser reads) and written atomically: a temporary file in

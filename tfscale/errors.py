@@ -1,0 +1,42 @@
+"""`tfscale.Error`: the one base of every error tfscale raises.
+
+Every domain error (`ClusterSpecError`, `StrategyError`, `DatasetError`, ...) derives
+from it and stays a `ValueError`, so `except tfscale.Error` catches anything tfscale
+reports and `except ValueError` keeps working. The binaries catch this base alone:
+one line `<prog>: error: ...` on stderr and exit status `exit_status`, never a
+traceback. Callers branch on these types, never on message text.
+"""
+
+import sys
+
+__all__ = ["BAD_INPUT", "FAILED_RUN", "Error", "first_line", "report"]
+
+BAD_INPUT = 2  # a flag, a TF_CONFIG, a hostfile, an option: what `absl` and argparse exit with
+FAILED_RUN = 1  # the input was fine, the run was not (a task died, a backup dir is torn)
+
+
+class Error(ValueError):
+    """The base of every tfscale error: a one-line message naming the value and what was expected.
+
+    Attributes:
+        exit_status: what a tfscale binary exits with when this error ends it:
+            `BAD_INPUT` (2) unless a subclass says the run itself failed (1).
+    """
+
+    exit_status = BAD_INPUT
+
+
+def first_line(error):
+    """The first line of `error`'s message (its type's name if it has none)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def report(prog, error, file=None):
+    """Prints `<prog>: error: <first line>` on stderr; returns the exit status for `error`.
+
+    `error` is a `tfscale.Error` (its class says bad input or a failed run) or an absl
+    flags error (bad input).
+    """
+    print(f"{prog}: error: {first_line(error)}", file=sys.stderr if file is None else file)
+    return getattr(type(error), "exit_status", BAD_INPUT)

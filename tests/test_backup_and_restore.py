@@ -584,8 +584,10 @@ def test_mismatch_found_late_assigns_no_variable(tmp_path):
     manifest = json.loads(manifest_path.read_text())
     manifest["meta"]["optimizer_variables"][-1][0] = "adam/renamed"
     manifest_path.write_text(json.dumps(manifest))
-    model = workers.build_model(tfscale.strategies.get("one_device"))
-    model.optimizer.build(model.trainable_variables)
+    strategy = tfscale.strategies.get("one_device")
+    model = workers.build_model(strategy)
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
     before = [v.numpy().copy() for v in model.variables + model.optimizer.variables]
     callback = tfscale.callbacks.BackupAndRestore(str(backup_dir), save_freq=5)
     with pytest.raises(tfscale.callbacks.BackupMismatchError, match="'adam/renamed'") as raised:

@@ -19,7 +19,7 @@ as of 3.15.1). `fit` gives callbacks no handle on its input, so this module:
 Supported: the TensorFlow backend's `TFEpochIterator`, where `fit` calls
 `train_function(iterator)` and the function itself pulls the batches.
 
-Private names used (checked on Keras 3.0 to 3.15.1 with TensorFlow 2.16 to 2.21):
+Checked on Keras 3.0 to 3.15.1 with TensorFlow 2.16 to 2.21. Private names used:
 `Model._initial_epoch` (also what Keras's own `BackupAndRestore` sets), and
 `EpochIterator._get_iterator`, `._enumerate_iterator`, `._steps_seen`,
 `._current_iterator`. Gate: `supported(epoch_iterator)` -- Keras 3 and every one of

@@ -246,11 +246,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._store.prune(self._global_step)
         except OSError as e:
             where = e.filename or self.backup_dir
+            reason = e.strerror or (str(e.args[0]) if e.args else type(e).__name__)
             newest = self._store.published()
             kept = os.path.join(self.backup_dir, newest[0]) if newest else "none"
             raise BackupWriteError(
                 f"Could not write the backup of step {self._global_step} to {where!r}: "
-                f"{e.strerror or e}. The last backup is kept ({kept}). Expected a writable "
+                f"{reason}. The last backup is kept ({kept}). Expected a writable "
                 "`backup_dir` with room for a backup."
             ) from None
         _log.info(
@@ -312,7 +313,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._last_saved = self._global_step
         keras_fit_position.set_initial_epoch(self.model, self._epoch)
         if self._tracker is not None:
-            self._tracker.resume(step=self._step, **meta["input"])
+            position = {k: meta["input"][k] for k in ("iterators_made", "live", "batches_taken")}
+            self._tracker.resume(step=self._step, **position)
         self.restored_from = meta
         _log.info(
             "tfscale: restored %s: epoch %d, step %d (global step %d)",

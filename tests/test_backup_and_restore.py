@@ -203,10 +203,11 @@ def test_crash_while_writing_publishes_nothing_and_keeps_the_last_backup(tmp_pat
         return real_savez(f, *arrays)
 
     with mock.patch.object(_backup_store.np, "savez", savez_dies_on_third_backup):
-        with pytest.raises(OSError, match="injected"):
+        with pytest.raises(
+            tfscale.callbacks.BackupWriteError, match=r"step 15 .*injected.*ckpt-000000000010"
+        ):
             workers.train(str(backup_dir), max_to_keep=1)
-    assert backups(backup_dir) == ["ckpt-000000000010"]
-    assert [n for n in os.listdir(backup_dir) if n.startswith(".tmp-")]  # the torn write, aside
+    assert os.listdir(backup_dir) == ["ckpt-000000000010"]  # the torn write removed, the last kept
     resumed = workers.train(str(backup_dir), max_to_keep=1, delete_checkpoint=False)
     assert resumed["restored"]["global_step"] == 10
     assert os.listdir(backup_dir) == ["ckpt-000000000045"]  # stale temp dir cleaned, one kept
@@ -437,3 +438,337 @@ def test_multi_worker_sigterm_backs_up_same_step_on_all_workers(tmp_path, cluste
         assert r.value["restored"]["global_step"] == step  # zero steps lost
         assert r.value["steps_run"] == TOTAL_STEPS - step
         assert max_diff(r.value, reference_run.value) <= 1e-6
+
+
+# --- deletes only what it wrote -----------------------------------------------------------------
+
+
+def _plant_user_files(directory):
+    """Files a user may keep beside the backups, including a folder named like one of them."""
+    os.makedirs(directory / "ckpt-000000000999", exist_ok=True)
+    files = {
+        directory / "notes.txt": b"mine\n",
+        directory / "ckpt-000000000999" / "state.npz": b"not tfscale's",
+        directory / "ckpt-000000000999" / "README": b"also mine",
+    }
+    for path, data in files.items():
+        path.write_bytes(data)
+    return files
+
+
+def test_user_files_in_backup_dir_survive_a_run_that_deletes_its_backups(tmp_path, caplog):
+    backup_dir = tmp_path / "b"
+    files = _plant_user_files(backup_dir)
+    with caplog.at_level(logging.INFO, logger="tfscale"):
+        with pytest.raises(tfscale.callbacks.InjectedFault):
+            workers.train(str(backup_dir), fail={"step": 12, "mode": "raise"})
+        resumed = workers.train(str(backup_dir))  # delete_checkpoint=True
+    assert resumed["restored"]["global_step"] == 10  # the user's "ckpt-...999" was never a candidate
+    assert {p: p.read_bytes() for p in files} == files
+    assert sorted(os.listdir(backup_dir)) == ["ckpt-000000000999", "notes.txt"]
+    assert re.search(r"also holds 2 entries tfscale did not write .*left untouched", caplog.text)
+
+
+def test_tfscale_train_with_backup_dir_equal_to_model_dir_keeps_user_files(tmp_path):
+    from tfscale.datasets import digits
+
+    data_dir = tmp_path / "tfds"
+    digits.prepare(str(data_dir))
+    shared = tmp_path / "run"
+    files = _plant_user_files(shared)
+    command = [sys.executable, "-m", "tfscale.train", "--epochs=1", "--global_batch_size=64", "--seed=0"]
+    command += [
+        f"--data_dir={data_dir}",
+        f"--backup_dir={shared}",
+        f"--model_dir={shared}",
+        "--backup_freq=2",
+    ]
+    proc = subprocess.run(
+        command,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert {p: p.read_bytes() for p in files} == files
+    # The backups are gone; the user's files and TensorBoard logs are not.
+    assert set(os.listdir(shared)) == {
+        "ckpt-000000000999",
+        "notes.txt",
+        "model.keras",
+        "summary.json",
+        "logs",
+    }
+
+
+# --- restore is all or nothing --------------------------------------------------------------
+
+
+def _rehash(backup):
+    import hashlib
+
+    manifest = json.loads((backup / "manifest.json").read_text())
+    state = (backup / "state.npz").read_bytes()
+    manifest["files"]["state.npz"] = {"size": len(state), "sha256": hashlib.sha256(state).hexdigest()}
+    (backup / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _keep_some_variables(backup, other):
+    with np.load(backup / "state.npz") as npz:
+        arrays = [npz[f"arr_{i}"] for i in range(len(npz.files))]
+    np.savez(backup / "state.npz", *arrays[:2])
+    _rehash(backup)
+
+
+def _state_of_another_model(backup, other):
+    (backup / "state.npz").write_bytes((other / "state.npz").read_bytes())
+    _rehash(backup)
+
+
+def _manifest_of_another_model(backup, other):
+    manifest = json.loads((backup / "manifest.json").read_text())
+    manifest["meta"] = json.loads((other / "manifest.json").read_text())["meta"]
+    (backup / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _nest_manifest_200k_deep(backup, other):
+    (backup / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+
+
+def _drop_global_step(backup, other):
+    manifest = json.loads((backup / "manifest.json").read_text())
+    del manifest["meta"]["global_step"]
+    (backup / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="module")
+def other_model_backup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("other")
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        workers.train(str(path), units=32, fail={"step": 12, "mode": "raise"})
+    return path / "ckpt-000000000010"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _keep_some_variables,  # restored silently (partly) before
+        _state_of_another_model,  # an 8-line Keras error after some variables were assigned
+        _manifest_of_another_model,
+        _nest_manifest_200k_deep,  # RecursionError
+        _drop_global_step,  # KeyError
+    ],
+)
+def test_inconsistent_newest_backup_is_torn_and_falls_back(
+    tmp_path, reference, caplog, other_model_backup, damage
+):
+    backup_dir = tmp_path / "b"
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        workers.train(str(backup_dir), max_to_keep=2, fail={"step": 12, "mode": "raise"})
+    damage(backup_dir / "ckpt-000000000010", other_model_backup)
+    with caplog.at_level(logging.WARNING, logger="tfscale"):
+        resumed = workers.train(str(backup_dir), max_to_keep=2)
+    assert "ckpt-000000000010 is unusable" in caplog.text
+    assert resumed["restored"]["global_step"] == 5
+    assert resumed["steps_run"] == TOTAL_STEPS - 5
+    assert max_diff(resumed, reference()) <= 1e-6
+
+
+def test_mismatch_found_late_assigns_no_variable(tmp_path):
+    """A backup whose last variable has another name: refused in one line, nothing assigned."""
+    import tfscale.strategies
+
+    backup_dir = tmp_path / "b"
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        workers.train(str(backup_dir), fail={"step": 12, "mode": "raise"})
+    manifest_path = backup_dir / "ckpt-000000000010" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["meta"]["optimizer_variables"][-1][0] = "adam/renamed"
+    manifest_path.write_text(json.dumps(manifest))
+    strategy = tfscale.strategies.get("one_device")
+    model = workers.build_model(strategy)
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    before = [v.numpy().copy() for v in model.variables + model.optimizer.variables]
+    callback = tfscale.callbacks.BackupAndRestore(str(backup_dir), save_freq=5)
+    with pytest.raises(tfscale.callbacks.BackupMismatchError, match="'adam/renamed'") as raised:
+        model.fit(**workers.make_data("array", 8), epochs=1, callbacks=[callback], verbose=0)
+    assert len(str(raised.value).splitlines()) == 1
+    after = [v.numpy() for v in model.variables + model.optimizer.variables]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+# --- full, read-only and unusable file systems ------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 256 KiB tmpfs mounted for this test only (needs root), always unmounted."""
+    mount_point = tmp_path / f"tmpfs-{os.getpid()}"
+    mount_point.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
+        check=False,
+        capture_output=True,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def _fill_disk_after(step, directory):
+    import keras
+
+    class FillDisk(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == step:
+                with open(directory / "filler", "wb", buffering=0) as f:
+                    try:
+                        while True:
+                            f.write(b"\0" * 4096)
+                    except OSError:
+                        pass  # full
+
+    return FillDisk()
+
+
+def _fit(backup_dir, callbacks, epochs=3, **kwargs):
+    import tfscale.strategies
+
+    model = workers.build_model(tfscale.strategies.get("one_device"))
+    backup = tfscale.callbacks.BackupAndRestore(str(backup_dir), save_freq=5, **kwargs)
+    model.fit(**workers.make_data("array", 8), epochs=epochs, callbacks=[backup, *callbacks], verbose=0)
+    return backup
+
+
+def test_full_disk_keeps_last_backup_leaves_no_temp_and_names_the_path(small_tmpfs):
+    backup_dir = small_tmpfs / "b"
+    with pytest.raises(tfscale.callbacks.BackupWriteError) as raised:
+        _fit(backup_dir, [_fill_disk_after(7, small_tmpfs)])
+    message = str(raised.value)
+    assert len(message.splitlines()) == 1
+    assert re.search(rf"step 10 to '{backup_dir}/\.tmp-ckpt-0+10-.*No space left on device", message)
+    assert "last backup is kept" in message and "ckpt-000000000005" in message
+    assert os.listdir(backup_dir) == ["ckpt-000000000005"]
+    os.remove(small_tmpfs / "filler")
+    resumed = _fit(backup_dir, [], delete_checkpoint=False)
+    assert resumed.restored_from["global_step"] == 5
+
+
+def test_read_only_backup_dir_is_one_line_error(small_tmpfs):
+    backup_dir = small_tmpfs / "b"
+    _fit(backup_dir, [], epochs=1, delete_checkpoint=False)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    with pytest.raises(
+        tfscale.callbacks.BackupWriteError, match=r"^Cannot write to `backup_dir=.*read-only[^\n]*$"
+    ):
+        _fit(backup_dir, [])
+
+
+# --- SIGTERM after a fit that raised ------------------------------------------------------------
+
+_SIGTERM_CHILD = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import _backup_workers as workers
+import tfscale.callbacks
+for _ in range({failed_fits}):
+    try:
+        workers.train({backup_dir!r}, fail={{"step": 6, "mode": "raise"}})
+    except tfscale.callbacks.InjectedFault:
+        pass
+if {then_preempted}:
+    workers.train({backup_dir!r}, save_freq=False, fail={{"step": 9, "mode": "sigterm"}})
+print("ready", flush=True)
+time.sleep(60)
+print("still alive", flush=True)
+"""
+
+
+@pytest.mark.parametrize("failed_fits", [1, 2])
+def test_sigterm_ends_the_process_after_a_fit_that_raised(tmp_path, failed_fits):
+    import signal
+
+    code = _SIGTERM_CHILD.format(
+        tests=os.path.dirname(__file__),
+        failed_fits=failed_fits,
+        backup_dir=str(tmp_path / "b"),
+        then_preempted=False,
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env) as proc:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_preemption_still_saves_in_a_fit_after_one_that_raised(tmp_path):
+    code = _SIGTERM_CHILD.format(
+        tests=os.path.dirname(__file__), failed_fits=1, backup_dir=str(tmp_path / "b"), then_preempted=True
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == tfscale.callbacks.RESTART_EXIT_CODE, proc.stderr[-2000:]
+    assert backups(tmp_path / "b") == ["ckpt-000000000011"]
+
+
+# --- hostile inputs: one line each ------------------------------------------------------------------
+
+
+def _bad_constructor_inputs():
+    """Generated wrong-type, empty, huge and odd values for each argument."""
+    odd = [None, 0, 1.5, -1, b"/tmp/x", ["/tmp/x"], {}, float("nan"), object()]
+    for value in [*odd, "", "a\0b"]:
+        yield {"backup_dir": value}, "backup_dir"
+    for value in [*odd, True, 0, -5, "Epoch", "", "10", 2.0]:
+        yield {"save_freq": value}, "save_freq"
+    for name in ("double_checkpoint", "delete_checkpoint", "save_before_preemption"):
+        for value in (None, 0, 1, "True", []):
+            yield {name: value}, name
+    for value in (0, -1, "2", True, 1.0):
+        yield {"max_to_keep": value}, "max_to_keep"
+
+
+BAD_CONSTRUCTOR_INPUTS = list(_bad_constructor_inputs())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"), BAD_CONSTRUCTOR_INPUTS, ids=[repr(k)[:40] for k, _ in BAD_CONSTRUCTOR_INPUTS]
+)
+def test_hostile_constructor_input_is_one_line_naming_the_argument(kwargs, name):
+    kwargs = {"backup_dir": "/tmp/x", **kwargs}
+    with pytest.raises(tfscale.callbacks.BackupError) as raised:
+        tfscale.callbacks.BackupAndRestore(**kwargs)
+    message = str(raised.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith(f"Invalid value for argument `{name}`. Received: {name}=")
+
+
+def _unusable_backup_dirs(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    yield tmp_path / "a_file", r"exists and is not a directory"
+    yield tmp_path / "a_file" / "below", r"Cannot create `backup_dir=.*Not a directory"
+    yield tmp_path / ("n" * 300), r"Cannot create `backup_dir=.*File name too long"
+    yield tmp_path / ("x" * 200) / ("y" * 200) / ("z" * 4000), r"Cannot create `backup_dir=.*too long"
+
+
+def test_hostile_backup_dirs_at_fit_are_one_line_errors(tmp_path):
+    cases = list(_unusable_backup_dirs(tmp_path))
+    for path, match in cases:
+        with pytest.raises(tfscale.callbacks.BackupWriteError, match=match) as raised:
+            _fit(path, [], epochs=1)
+        assert len(str(raised.value).splitlines()) == 1, path
+    assert (tmp_path / "a_file").read_text() == "x"
+
+
+def test_non_ascii_backup_dir_works(tmp_path):
+    backup_dir = tmp_path / "données-日本-\u00e9\u0301"
+    _fit(backup_dir, [], epochs=1, delete_checkpoint=False)
+    assert backups(backup_dir) == ["ckpt-000000000015"]

@@ -5,6 +5,7 @@ from tfscale.callbacks.backup_and_restore import (
     BackupAndRestore,
     BackupError,
     BackupMismatchError,
+    BackupWriteError,
     UnusableBackupError,
 )
 from tfscale.callbacks.fail_at import FailAt, InjectedFault
@@ -16,6 +17,7 @@ __all__ = [
     "BackupAndRestore",
     "BackupError",
     "BackupMismatchError",
+    "BackupWriteError",
     "FailAt",
     "InjectedFault",
     "LearningRateWarmup",

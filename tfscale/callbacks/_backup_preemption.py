@@ -7,18 +7,34 @@ the step after which all of them save. Its `TerminationConfig(save_fn=...)` repl
 its own checkpoint writing with our backup, and `exit_fn` exits with our code. The
 handler still wants a `tf.train.CheckpointManager`: it gets an empty one whose
 directory is never written.
+
+SIGTERM must end the process whenever no `fit` is running. Keras calls no callback
+hook when `fit` raises, so `close` (from `on_train_end`) may never run. The SIGTERM
+handler installed here therefore checks, when a signal comes, whether the `fit` it
+was made for is still on the interrupted stack (a signal handler runs on top of the
+main thread's frames): if not, the watch closes itself and the signal goes to the
+handler that was there before (by default: the process ends). Checking at signal time
+needs no wrapping of `fit` (which users call directly) and costs nothing per step;
+the next `fit`'s watch also closes a stale one first, so it never saves a tfscale
+handler as "previous".
 """
 
+import inspect
+import os
 import signal
 import sys
 
 import tensorflow as tf
+
+from tfscale.compat import tf_preemption_threads
 
 __all__ = ["RESTART_EXIT_CODE", "PreemptionWatch"]
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again". `tfscale-launch` and
 # supervisors treat it as "restart me"; 1 and signals stay real failures.
 RESTART_EXIT_CODE = 75
+
+_open_watches = []  # watches not yet closed, oldest first
 
 
 class PreemptionWatch:
@@ -30,9 +46,15 @@ class PreemptionWatch:
             the step with its peers).
         save_fn: called with no argument on every worker at the agreed step.
         unused_dir: a directory path the handler's empty checkpoint manager is given.
+        in_fit: `in_fit(frame)` is True while the `fit` this watch serves is running
+            on the stack of `frame`.
     """
 
-    def __init__(self, strategy, *, multi_worker, save_fn, unused_dir):
+    def __init__(self, strategy, *, multi_worker, save_fn, unused_dir, in_fit):
+        here = inspect.currentframe()
+        for stale in [w for w in _open_watches if not w._in_fit(here)]:
+            stale.close()  # its `fit` raised: Keras never called `on_train_end`
+        self._in_fit = in_fit
         resolver = strategy.cluster_resolver if multi_worker else None
         manager = tf.train.CheckpointManager(tf.train.Checkpoint(), directory=unused_dir, max_to_keep=1)
         config = tf.distribute.experimental.TerminationConfig(
@@ -42,24 +64,45 @@ class PreemptionWatch:
         self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
             resolver, manager, termination_config=config
         )
+        self._tf_sigterm = signal.getsignal(signal.SIGTERM)  # what the handler installed
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        _open_watches.append(self)
+
+    def _on_sigterm(self, signum, frame):
+        if self._in_fit(frame):
+            self._tf_sigterm(signum, frame)
+            return
+        previous = self._previous_handler
+        self.close()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            os.kill(os.getpid(), signum)  # the default action, now that it is back
 
     def _exit(self):
-        signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)
+        # The watcher threads are left to the handler's `__del__` here: stopping the peer
+        # watcher talks to the coordination service, which peers are leaving too.
+        self._release_signal()
         sys.stdout.flush()
         sys.stderr.flush()
         sys.exit(RESTART_EXIT_CODE)
 
     def step_done(self):
         """Call once per train step (execution) on every worker; may save and exit."""
-        self._handler.save_checkpoint_if_preempted()
+        if self._handler is not None:
+            self._handler.save_checkpoint_if_preempted()
 
     def close(self):
         """Stops the handler's watcher threads and gives SIGTERM back its old handler."""
         handler, self._handler = self._handler, None
         if handler is None:
             return
-        # The handler stops its threads only in __del__ (private methods, TF 2.12-2.21).
-        handler._stop_poll_termination_signal_thread()
-        handler._stop_cluster_wise_termination_watcher_thread()
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
+        self._release_signal()
+        tf_preemption_threads.stop_watcher_threads(handler)
+
+    def _release_signal(self):
+        if self in _open_watches:
+            _open_watches.remove(self)
+        # Put back the previous handler unless someone replaced ours in the meantime.
+        if signal.getsignal(signal.SIGTERM) in (self._on_sigterm, self._tf_sigterm):
+            signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)

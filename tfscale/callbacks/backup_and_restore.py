@@ -2,15 +2,17 @@
 
 import logging
 import os
+import re
 import time
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfscale.callbacks import _backup_cluster, _backup_keras
+from tfscale.callbacks import _backup_cluster
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
 from tfscale.callbacks._backup_store import BackupStore, UnusableBackupError
+from tfscale.compat import keras_fit_position
 from tfscale.errors import Error
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "BackupAndRestore",
     "BackupError",
     "BackupMismatchError",
+    "BackupWriteError",
     "UnusableBackupError",
 ]
 
@@ -32,14 +35,19 @@ class BackupMismatchError(BackupError):
     """The backup was made by a different model or optimizer (nothing was loaded)."""
 
 
+class BackupWriteError(BackupError, OSError):
+    """`backup_dir` cannot take a backup (not a directory, read-only, full); the last one is kept."""
+
+
 def _check_args(backup_dir, save_freq, double_checkpoint, delete_checkpoint, *, max_to_keep, preemption):
     def bad(name, value, expected):
         return BackupError(
             f"Invalid value for argument `{name}`. Received: {name}={value!r}. Expected {expected}."
         )
 
-    if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
-        raise bad("backup_dir", backup_dir, "a non-empty directory path")
+    path = os.fspath(backup_dir) if isinstance(backup_dir, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise bad("backup_dir", backup_dir, "a non-empty directory path (str or os.PathLike, no NUL)")
     if not (save_freq == "epoch" or save_freq is False or (type(save_freq) is int and save_freq > 0)):
         raise bad("save_freq", save_freq, "either 'epoch', a positive integer, or False")
     for name, value in (
@@ -56,6 +64,66 @@ def _check_args(backup_dir, save_freq, double_checkpoint, delete_checkpoint, *, 
 
 def _signature(variables):
     return [[v.path, list(v.shape), str(v.dtype)] for v in variables]
+
+
+def _structural_name(path):
+    # "adam_1/sequential_3_dense_7_kernel" -> "adam/sequential_dense_kernel": Keras numbers
+    # unnamed layers by how many were built before in the process, which a restart changes.
+    return re.sub(r"_[0-9]+(?=_|/|$)", "", path)
+
+
+def _is_count(value):
+    return type(value) is int and value >= 0
+
+
+def _is_signature(entries):
+    return isinstance(entries, list) and all(
+        isinstance(e, list)
+        and len(e) == 3
+        and isinstance(e[0], str)
+        and isinstance(e[1], list)
+        and all(_is_count(d) for d in e[1])
+        and isinstance(e[2], str)
+        for e in entries
+    )
+
+
+def _check_consistent(backup):
+    """Raises `UnusableBackupError` unless the manifest's metadata is whole and describes
+    exactly the arrays stored beside it (a manifest and state that do not belong together
+    are as torn as a truncated file)."""
+    meta = backup.meta
+
+    def torn(what):
+        return UnusableBackupError(f"its manifest {what}")
+
+    if not isinstance(meta, dict):
+        raise torn("holds no metadata")
+    for key in ("epoch", "step", "global_step"):
+        if not _is_count(meta.get(key)):
+            raise torn(f"has no valid `{key}`")
+    position = meta.get("input")
+    if not (
+        isinstance(position, dict)
+        and all(_is_count(position.get(k)) for k in ("iterators_made", "batches_taken"))
+        and isinstance(position.get("live"), bool)
+    ):
+        raise torn("has no valid input position")
+    if not (meta.get("optimizer") is None or isinstance(meta.get("optimizer"), str)):
+        raise torn("has no valid optimizer name")
+    signature = []
+    for key in ("model", "optimizer_variables"):
+        if not _is_signature(meta.get(key)):
+            raise torn(f"has no valid `{key}` list")
+        signature += meta[key]
+    if len(signature) != len(backup.arrays):
+        raise torn(f"lists {len(signature)} variables, state.npz holds {len(backup.arrays)}")
+    for i, ((name, shape, dtype), array) in enumerate(zip(signature, backup.arrays)):
+        if list(array.shape) != shape or str(array.dtype) != dtype:
+            raise torn(
+                f"says variable {i} ({name!r:.80}) is {tuple(shape)} {dtype:.20}, "
+                f"state.npz holds {array.shape} {array.dtype}"
+            )
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -90,7 +158,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             batches, counted over the whole run), or `False` (only on preemption).
         double_checkpoint: keep the previous backup too (at least 2), to fall back on
             if the newest one is unreadable.
-        delete_checkpoint: remove `backup_dir` when `fit` completes.
+        delete_checkpoint: when `fit` completes, remove the backups (only the entries
+            tfscale wrote; `backup_dir` itself only if that leaves it empty).
         max_to_keep: how many backups to keep (default 2 with `double_checkpoint`,
             else 1). A new backup is always published before old ones are removed.
         save_before_preemption: on SIGTERM, back up at the next step and exit with
@@ -173,8 +242,19 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._last_saved = self._global_step
         if not self._role.writer:
             return
-        path = self._store.write(self._global_step, meta, arrays)
-        self._store.prune(self._global_step)
+        try:
+            path = self._store.write(self._global_step, meta, arrays)
+            self._store.prune(self._global_step)
+        except OSError as e:
+            where = e.filename or self.backup_dir
+            reason = e.strerror or (str(e.args[0]) if e.args else type(e).__name__)
+            newest = self._store.published()
+            kept = os.path.join(self.backup_dir, newest[0]) if newest else "none"
+            raise BackupWriteError(
+                f"Could not write the backup of step {self._global_step} to {where!r}: "
+                f"{reason}. The last backup is kept ({kept}). Expected a writable "
+                "`backup_dir` with room for a backup."
+            ) from None
         _log.info(
             "tfscale: %s backup %s (epoch %d, step %d, global step %d)",
             reason,
@@ -189,7 +269,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         model_vars, opt_vars = self._variables()
         optimizer = type(self.model.optimizer).__name__ if self.model.optimizer else None
         if meta["optimizer"] != optimizer:
-            raise self._mismatch(backup, f"optimizer {meta['optimizer']} in the backup, {optimizer} here")
+            raise self._mismatch(
+                backup, f"optimizer {meta['optimizer']!r:.80} in the backup, {optimizer} here"
+            )
         for kind, saved, current in (
             ("variable", meta["model"], model_vars),
             ("optimizer variable", meta["optimizer_variables"], opt_vars),
@@ -197,10 +279,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             if len(saved) != len(current):
                 raise self._mismatch(backup, f"{len(saved)} {kind}s in the backup, {len(current)} here")
             for i, ((name, shape, dtype), v) in enumerate(zip(saved, current)):
-                if shape != list(v.shape) or dtype != str(v.dtype):
+                if (
+                    shape != list(v.shape)
+                    or dtype != str(v.dtype)
+                    or _structural_name(name) != _structural_name(v.path)
+                ):
                     raise self._mismatch(
                         backup,
-                        f"{kind} {i} is {name!r} {tuple(shape)} {dtype} in the backup, "
+                        f"{kind} {i} is {name!r:.80} {tuple(shape)} {dtype:.20} in the backup, "
                         f"{v.path!r} {tuple(v.shape)} {v.dtype} here",
                     )
 
@@ -211,23 +297,25 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
 
     def _restore(self, backup):
+        # Every check comes before the first assignment: a restore loads all or nothing.
         self._check_compatible(backup)
-        model_vars, opt_vars = self._variables()
-        for v, value in zip(model_vars + opt_vars, backup.arrays):
-            v.assign(value)
         meta = backup.meta
-        self._epoch, self._step, self._global_step = meta["epoch"], meta["step"], meta["global_step"]
-        self._last_saved = self._global_step
-        _backup_keras.set_initial_epoch(self.model, self._epoch)
-        if self._tracker is not None:
-            position = meta["input"]
-            self._tracker.resume(step=self._step, **position)
-        elif self._step:
+        if self._tracker is None and meta["step"]:
             raise BackupError(
-                f"Backup {backup.path} is from the middle of epoch {self._epoch} (step {self._step}), "
-                "but this `fit` gives no access to its input (not the TensorFlow backend's `fit`). "
+                f"Backup {backup.path} is from the middle of epoch {meta['epoch']} (step {meta['step']}), "
+                "but this `fit` gives no access to its input (not the TensorFlow backend's `fit`, or a "
+                "Keras whose internals tfscale.compat.keras_fit_position does not support). "
                 "Expected `save_freq='epoch'` backups here."
             )
+        model_vars, opt_vars = self._variables()
+        for v, value in zip(model_vars + opt_vars, backup.arrays, strict=True):
+            v.assign(value)
+        self._epoch, self._step, self._global_step = meta["epoch"], meta["step"], meta["global_step"]
+        self._last_saved = self._global_step
+        keras_fit_position.set_initial_epoch(self.model, self._epoch)
+        if self._tracker is not None:
+            position = {k: meta["input"][k] for k in ("iterators_made", "live", "batches_taken")}
+            self._tracker.resume(step=self._step, **position)
         self.restored_from = meta
         _log.info(
             "tfscale: resumed from %s (epoch %d, step %d; global step %d) in %s",
@@ -240,7 +328,40 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # --- Keras callback hooks -------------------------------------------------------
 
+    def _check_backup_dir(self):
+        """One line for a `backup_dir` that cannot be used; notes foreign files once."""
+        path = self.backup_dir
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise BackupWriteError(
+                f"Invalid `backup_dir={path!r}`: it exists and is not a directory. "
+                "Expected a directory path (new or existing)."
+            )
+        if self._role.writer:
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as e:
+                raise BackupWriteError(
+                    f"Cannot create `backup_dir={path!r}`: {e.strerror or e}. Expected a writable path."
+                ) from None
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise BackupWriteError(
+                    f"Cannot write to `backup_dir={path!r}` (read-only or not permitted). "
+                    "Expected a writable directory."
+                )
+        foreign = self._store.foreign()
+        if foreign:
+            _log.info(
+                "tfscale: backup_dir %s also holds %d entries tfscale did not write (%s); "
+                "they are left untouched",
+                path,
+                len(foreign),
+                ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else ""),
+            )
+
     def on_train_begin(self, logs=None):
+        if getattr(self, "_preemption", None) is not None:
+            self._preemption.close()  # left by a `fit` that raised (no `on_train_end`)
+            self._preemption = None
         strategy = self.model.distribute_strategy
         self._role = _backup_cluster.role(strategy)
         self._multi_worker = self._role.num_workers > 1 and isinstance(
@@ -249,9 +370,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch, self._step, self._global_step, self._last_saved = 0, 0, 0, None
         self.restored_from = None
         self._ensure_built()
-        epoch_iterator = _backup_keras.find_epoch_iterator(self.model)
-        self._tracker = _backup_keras.InputTracker(epoch_iterator) if epoch_iterator is not None else None
-        backup, _ = self._store.load_newest()
+        self._check_backup_dir()
+        epoch_iterator = keras_fit_position.find_epoch_iterator(self.model)
+        self._tracker = (
+            keras_fit_position.InputTracker(epoch_iterator) if epoch_iterator is not None else None
+        )
+        backup, _ = self._store.load_newest(check=_check_consistent)
         if self._multi_worker and not _backup_cluster.all_agree(
             strategy, backup.meta["global_step"] if backup else -1
         ):
@@ -268,6 +392,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 multi_worker=self._multi_worker,
                 save_fn=lambda: self._save(reason="preemption"),
                 unused_dir=os.path.join(self.backup_dir, ".tf-preemption-unused"),
+                in_fit=lambda frame, model=self.model: keras_fit_position.fit_on_stack(model, frame),
             )
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -299,6 +424,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._preemption = None
         if self._tracker is not None:
             self._tracker.close()
-        _backup_keras.set_initial_epoch(self.model, None)
+        keras_fit_position.set_initial_epoch(self.model, None)
         if self.delete_checkpoint and self._role.writer:
             self._store.remove_all()

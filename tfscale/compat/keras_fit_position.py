@@ -1,4 +1,4 @@
-"""The private Keras 3 internals that exact mid-epoch resume needs, all in this one module.
+"""Keras 3 gap: no mid-epoch resume. The private internals exact resume needs, gated.
 
 Keras 3 (3.0 to at least 3.15.1, TensorFlow backend) resumes a backup only at an epoch
 boundary: its `BackupAndRestore.on_train_begin` sets `model._initial_epoch` and nothing
@@ -18,11 +18,51 @@ as of 3.15.1). `fit` gives callbacks no handle on its input, so this module:
 
 Supported: the TensorFlow backend's `TFEpochIterator`, where `fit` calls
 `train_function(iterator)` and the function itself pulls the batches.
+
+Checked on Keras 3.0 to 3.15.1 with TensorFlow 2.16 to 2.21. Private names used:
+`Model._initial_epoch` (also what Keras's own `BackupAndRestore` sets), and
+`EpochIterator._get_iterator`, `._enumerate_iterator`, `._steps_seen`,
+`._current_iterator`. Gate: `supported(epoch_iterator)` -- Keras 3 and every one of
+these present; otherwise no tracker is made, and a mid-epoch backup is refused with
+one line instead of resumed wrongly (epoch-boundary backups still work).
+tests/test_compat_backup.py fails when any of them changes meaning.
 """
 
-import sys
+import inspect
 
-__all__ = ["InputTracker", "find_epoch_iterator", "set_initial_epoch"]
+import keras
+
+__all__ = [
+    "CHECKED_ON",
+    "InputTracker",
+    "find_epoch_iterator",
+    "fit_on_stack",
+    "set_initial_epoch",
+    "supported",
+]
+
+CHECKED_ON = ("3.0.0", "3.15.1")
+_ITERATOR_ATTRIBUTES = ("_get_iterator", "_enumerate_iterator", "_steps_seen", "_current_iterator")
+
+
+def supported(epoch_iterator, keras_version=keras.__version__):
+    """The gate: Keras 3 and an epoch iterator that has every private name used here."""
+    return keras_version.split(".")[0] == "3" and all(
+        hasattr(epoch_iterator, name)
+        for name in (*_ITERATOR_ATTRIBUTES, "steps_per_execution", "steps_per_epoch")
+    )
+
+
+def _fit_frames(model, frame):
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            yield frame
+        frame = frame.f_back
+
+
+def fit_on_stack(model, frame=None):
+    """Whether a `fit` call of `model` is running on the stack of `frame` (default: here)."""
+    return next(_fit_frames(model, frame or inspect.currentframe()), None) is not None
 
 
 def set_initial_epoch(model, epoch):
@@ -31,14 +71,11 @@ def set_initial_epoch(model, epoch):
 
 
 def find_epoch_iterator(model):
-    """The `epoch_iterator` of the `fit` call of `model` on the stack, or None."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-            found = frame.f_locals.get("epoch_iterator")
-            if found is not None and hasattr(found, "_enumerate_iterator"):
-                return found
-        frame = frame.f_back
+    """The `epoch_iterator` of the `fit` call of `model` on the stack (if `supported`), or None."""
+    for frame in _fit_frames(model, inspect.currentframe()):
+        found = frame.f_locals.get("epoch_iterator")
+        if found is not None and supported(found):
+            return found
     return None
 
 

@@ -1,0 +1,100 @@
+"""tfscale.compat shims used by the backup callback: each fails here when upstream changes under it.
+
+- `keras_fit_position`: Keras 3 has no mid-epoch resume; the private `fit` internals
+  used for it must still mean what the resume logic assumes.
+- `tf_preemption_threads`: TensorFlow's `PreemptionCheckpointHandler` has no public way
+  to stop its watcher threads; the private stoppers must still stop them.
+"""
+
+import signal
+import threading
+
+import _backup_workers as workers
+import keras
+import pytest
+import tensorflow as tf
+
+from tfscale.compat import keras_fit_position, tf_preemption_threads
+from tfscale.strategies import get
+
+
+class _Probe(keras.callbacks.Callback):
+    """Records what the private `fit` internals say at each hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.epochs = [], []
+
+    def on_train_begin(self, logs=None):
+        self.on_stack = keras_fit_position.fit_on_stack(self.model)
+        self.iterator = keras_fit_position.find_epoch_iterator(self.model)
+        self.tracker = keras_fit_position.InputTracker(self.iterator)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs.append(epoch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append((batch, int(self.iterator._steps_seen), self.tracker.iterators_made))
+
+    def on_train_end(self, logs=None):
+        self.tracker.close()
+
+
+def _fit(epochs=2, initial_epoch=None):
+    model = workers.build_model(get("one_device"))
+    probe = _Probe()
+    if initial_epoch is not None:
+        keras_fit_position.set_initial_epoch(model, initial_epoch)
+    model.fit(**workers.make_data("array", 32), epochs=epochs, callbacks=[probe], verbose=0)
+    return model, probe
+
+
+def test_fit_internals_count_batches_and_iterators_as_resume_assumes():
+    model, probe = _fit()
+    assert probe.on_stack and not keras_fit_position.fit_on_stack(model)
+    assert keras_fit_position.supported(probe.iterator)
+    # 128 samples / 32 = 4 batches an epoch; `_steps_seen` counts the epoch's batches. Keras
+    # 3.15.1 makes 1 iterator before epoch 0 and 2 more before epoch 1 (resume replays that
+    # count, whatever it is; a change here means re-checking the replay).
+    assert probe.seen == [(b, b + 1, made) for made in (1, 3) for b in range(4)]
+    assert "_get_iterator" not in vars(probe.iterator)  # `close` removed the instance shadow
+
+
+def test_initial_epoch_attribute_makes_fit_start_there():
+    _, probe = _fit(epochs=3, initial_epoch=2)
+    assert probe.epochs == [2]
+
+
+def test_gate_refuses_other_keras_or_missing_internals():
+    _, probe = _fit(epochs=1)
+    assert not keras_fit_position.supported(probe.iterator, keras_version="4.0.0")
+    assert not keras_fit_position.supported(object())
+    assert keras_fit_position.CHECKED_ON[1] == "3.15.1"
+
+
+def test_stop_watcher_threads_stops_the_polling_thread(tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    config = tf.distribute.experimental.TerminationConfig(
+        termination_watcher_fn=lambda: False, grace_period=0
+    )
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(), str(tmp_path), max_to_keep=1)
+    handler = tf.distribute.experimental.PreemptionCheckpointHandler(None, manager, termination_config=config)
+
+    def watchers():
+        return [t for t in threading.enumerate() if t.name.startswith("WorkerTerminationSignalWatcher")]
+
+    try:
+        assert watchers(), "TF no longer starts a polling thread: recheck the shim"
+        assert tf_preemption_threads.stop_watcher_threads(handler) is True
+        assert not watchers()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_stop_watcher_threads_is_a_no_op_without_the_private_methods():
+    assert tf_preemption_threads.stop_watcher_threads(object()) is False
+
+
+@pytest.mark.parametrize("module", [keras_fit_position, tf_preemption_threads])
+def test_every_shim_names_its_versions_and_gate(module):
+    assert "Checked on" in module.__doc__ and "Gate:" in module.__doc__

@@ -9,9 +9,13 @@ tests edit FILE. No process the launcher started may be left (`leftovers`).
 
 import json
 import os
+import re
+import signal
 import sys
 import time
 
+import keras
+import numpy as np
 import pytest
 from _launch_util import leftovers, new_marker, run_launcher, start_launcher
 
@@ -146,3 +150,147 @@ def test_discovery_lines_and_host_cooldown():
     now[0] = 61.0
     assert cooldown.usable(hosts) == hosts
     assert elastic._choose([("a", 2), ("b", 2), ("c", 1)], 3) == [("a", 2), ("b", 1)]
+
+
+# --- real tfscale-train jobs ---------------------------------------------------------
+
+EPOCHS, STEPS, BATCH = 4, 1536 // 48, 48  # digits: 1536 training examples, 32 global batches an epoch
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from tfscale.datasets import digits
+
+    path = str(tmp_path_factory.mktemp("tfds"))
+    digits.prepare(path)
+    return path
+
+
+def _train(data_dir, model_dir, *extra):
+    flags = ["--strategy=multi_worker", "--sharding=data", f"--data_dir={data_dir}", f"--epochs={EPOCHS}"]
+    flags += ["--seed=0", "--model=_elastic_model:slow_mlp", f"--model_dir={model_dir}"]
+    return [TRAIN, *flags, *extra]
+
+
+def _pid_of(marker, task_index):
+    """The pid of the `tfscale-train` process of worker `task_index` (by its environment)."""
+    for pid in leftovers(marker, wait=0):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        task = json.loads(env.get(b"TF_CONFIG", b"{}")).get("task", {})
+        if task == {"type": "worker", "index": task_index}:
+            return pid
+    raise AssertionError(f"no process of worker:{task_index}")
+
+
+def _model(model_dir):
+    import _elastic_model  # noqa: F401  (registers its layer for loading)
+
+    return keras.saving.load_model(os.path.join(model_dir, "model.keras"))
+
+
+def _global_steps(output, what):
+    return [
+        int(line.rsplit("global step ", 1)[1].rstrip(")\n")) for line in output.splitlines() if what in line
+    ]
+
+
+def _lose_worker_2_and_get_it_back(marker, tmp_path, train_command, launcher_flags=()):
+    """Runs an elastic 2:3 job: kill worker 2 and unlist its slot after step 8, list it again once
+    the 2-worker job made a backup. Returns the launcher's output (its lines and the tasks')."""
+    usable = _discovery_file(tmp_path, 3)
+    args = ["--num_workers", "2:3", "--host_discovery", f"cat {usable}", "--discovery_interval", "1",
+            "--max_restarts", "1", "--restart_backoff", "0.5", "--grace_period", "5", *launcher_flags, "--",
+            *train_command, "--backup_freq=4", f"--backup_dir={tmp_path / 'backup'}"]  # fmt: skip
+    env = {"PYTHONPATH": HERE, "TFSCALE_TEST_STEP_SLEEP": "0.1"}
+    proc = start_launcher(args, marker, env=env, merge_stderr=True)
+    seen = []
+    try:
+        _read_until(proc, "(epoch 0, step 8, global step 8)", seen)
+        usable.write_text("localhost:2\n")  # the slot of worker 2 is gone...
+        os.kill(_pid_of(marker, 2), signal.SIGKILL)  # ...and so is its process
+        _read_until(proc, "elastic: running from 3 to 2 workers (worker:2 failed (signal SIGKILL)", seen)
+        _read_until(proc, "[worker:0] tfscale: restored", seen)
+        _read_until(proc, "[worker:0] tfscale: scheduled backup", seen)  # trained on 2 workers
+        usable.write_text("localhost:3\n")
+        _read_until(proc, "elastic: running from 2 to 3 workers", seen)
+        assert proc.wait(timeout=600) == 0
+    finally:
+        output = _finish(proc, seen)
+        (tmp_path / "launcher.log").write_text(output)
+    assert "elastic: tasks stopped for the resize (worker:0 exit code 75, worker:1 exit code 75)" in output
+    return output
+
+
+def _attempts(output):
+    """The output of each attempt (launcher lines and task lines, in order)."""
+    return output.split("tfscale-launch: attempt ")[1:]
+
+
+def _restored(attempt):
+    """`(epoch, step, global step)` worker 0 resumed at in an attempt's output."""
+    line = next(x for x in attempt.splitlines() if x.startswith("[worker:0] tfscale: restored"))
+    epoch, step, global_step = re.search(r"epoch (\d+), step (\d+) \(global step (\d+)\)", line).groups()
+    return int(epoch), int(step), int(global_step)
+
+
+@pytest.mark.slow
+def test_tfscale_train_loses_a_worker_goes_on_with_2_grows_back_to_3_and_ends_at_the_uninterrupted_weights(
+    marker, data_dir, tmp_path
+):
+    reference = tmp_path / "reference"
+    run = run_launcher(
+        ["--num_workers", "3", "--", *_train(data_dir, reference, f"--global_batch_size={BATCH}")],
+        marker, env={"PYTHONPATH": HERE}, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    model_dir = tmp_path / "elastic"
+    output = _lose_worker_2_and_get_it_back(
+        marker, tmp_path, _train(data_dir, model_dir, f"--global_batch_size={BATCH}")
+    )
+    # The timeline of global steps: each attempt resumed at the newest backup of the one before,
+    # and every attempt trained on the same global batches (48 examples a step, 32 steps an epoch).
+    first, second, third = _attempts(output)
+    assert "global_batch=48 steps/epoch=32" in second and "workers=2" in second
+    assert _restored(second)[2] == max(_global_steps(first, " backup /")) >= 8
+    assert _restored(third)[2] == max(_global_steps(second, " backup /")) > _restored(second)[2]
+    final = _model(model_dir)
+    assert int(final.optimizer.iterations.numpy()) == EPOCHS * STEPS
+    for got, want in zip(final.get_weights(), _model(reference).get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_per_replica_batch_scales_the_global_batch_and_learning_rate_with_the_workers(
+    marker, data_dir, tmp_path
+):
+    model_dir = tmp_path / "elastic"
+    command = _train(data_dir, model_dir, "--global_batch_size=48", "--learning_rate=0.003")
+    output = _lose_worker_2_and_get_it_back(marker, tmp_path, command, ["--elastic_batch=per_replica"])
+    first, second, third = _attempts(output)
+    rule = "elastic (2:3 workers, --elastic_batch=per_replica): {} of 3 replicas, per-replica batch 16, "
+    for attempt, workers, batch, rate in (
+        (first, 3, 48, 0.003),
+        (second, 2, 32, 0.002),
+        (third, 3, 48, 0.003),
+    ):
+        assert (
+            f"[worker:0] {rule.format(workers)}global batch {batch}, learning rate {rate:g} (x {workers}/3)"
+            in (attempt)
+        )
+        assert f"global_batch={batch} steps/epoch={1536 // batch}" in attempt
+    # A resume converts the position: the examples done of the epoch, in batches of the new size.
+    for attempt, old, new in ((second, 48, 32), (third, 32, 48)):
+        epoch, step, global_step = _restored(attempt)
+        done = next(x for x in attempt.splitlines() if "[worker:0] tfscale: elastic resume" in x)
+        examples = int(re.search(r"example (\d+) of epoch", done).group(1))
+        assert f"of epoch {epoch} (" in done and f"steps of {old}) is step {step} of {new} here" in done
+        assert step == examples // new
+    # Steps: every step done so far, then the rest of the epoch and the epochs left at 48 a step.
+    epoch, step, global_step = _restored(third)
+    final = _model(model_dir)
+    assert int(final.optimizer.iterations.numpy()) == global_step + (32 - step) + 32 * (EPOCHS - 1 - epoch)
+    assert float(final.optimizer.learning_rate.numpy()) == pytest.approx(0.003)

@@ -235,8 +235,10 @@ class ElasticJob:
             self._hosts_of_tasks = {}
         else:
             entries = [f"{h}:{s}" for h, s in self.world]
+            # The remote side gets only TF_CONFIG and the restart count: pass ours by `env`.
+            elastic_vars = [f"{k}={self._environ[k]}" for k in (ELASTIC_WORKERS_VAR, ELASTIC_BATCH_VAR)]
             self._job = jobs.HostsJob(
-                self.command,
+                ["env", *elastic_vars, *self.command],
                 entries,
                 port=self._port,
                 remote_cmd=self._remote_cmd,

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -54,12 +55,12 @@ def _read_until(proc, needle, seen, timeout=300):
 
 
 def _finish(proc, seen, timeout=300):
+    """The whole output; a launcher still running after `timeout` is stopped the way users do (SIGTERM)."""
     try:
         out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # forwarded to every task, then SIGKILL after --grace_period
+        out, _ = proc.communicate(timeout=60)
     seen.append(out)
     return "".join(seen)
 
@@ -133,6 +134,38 @@ def test_job_shrinks_when_a_worker_is_lost_and_grows_when_its_slot_is_back(marke
     assert [len(c["cluster"]["worker"]) for c in configs] == [3, 3, 3, 2, 2, 3, 3, 3]
     assert "[worker:2] size 3 index 2 restart 2" in output
     assert "job succeeded in attempt 3 on 3 workers" in output
+
+
+HOST_TASK = """
+import json, os, sys, time
+host, size = os.environ["TFSCALE_HOST"], len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+elastic = os.environ["TFSCALE_ELASTIC_WORKERS"], os.environ["TFSCALE_ELASTIC_BATCH"]
+print("on", host, "of", size, *elastic, flush=True)
+if host == "nodeB":
+    sys.exit(3)  # a broken host
+if size == 3:
+    time.sleep(60)  # stopped when nodeB fails
+"""
+
+
+def test_host_failing_twice_is_cooled_down_and_the_job_goes_on_without_it(marker, tmp_path):
+    usable = tmp_path / "usable"
+    usable.write_text("nodeA:2\nnodeB:1\n")
+    # `env` as the "remote" starter: the tasks run here, started exactly as on another host.
+    args = ["--num_workers", "2:3", "--host_discovery", f"cat {usable}",
+            "--remote_cmd", "env TFSCALE_HOST={host}", "--max_restarts", "2", "--host_cooldown", "600",
+            "--elastic_batch", "per_replica", *ELASTIC,
+            "--", sys.executable, "-c", HOST_TASK]  # fmt: skip
+    run = run_launcher(args, marker)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("[worker:2] on nodeB of 3 2:3 per_replica") == 2
+    assert "elastic: nodeB failed twice in a row; left out for a cool-down" in run.stderr
+    assert (
+        "elastic: running from 3 to 2 workers (worker:2 failed (exit code 3) in attempt 2) on nodeA:2"
+        in run.stderr
+    )
+    assert run.stdout.count("on nodeA of 2 2:3 per_replica") == 2
+    assert "job succeeded in attempt 3 on 2 workers" in run.stderr
 
 
 def test_discovery_lines_and_host_cooldown():
@@ -217,17 +250,22 @@ def _lose_worker_2_and_get_it_back(marker, tmp_path, train_command, launcher_fla
         _read_until(proc, "[worker:0] tfscale: scheduled backup", seen)  # trained on 2 workers
         usable.write_text("localhost:3\n")
         _read_until(proc, "elastic: running from 2 to 3 workers", seen)
-        assert proc.wait(timeout=600) == 0
+    except BaseException:
+        proc.terminate()  # forwarded to the tasks: nothing is left behind
+        raise
     finally:
-        output = _finish(proc, seen)
+        output = _finish(proc, seen, timeout=600)
         (tmp_path / "launcher.log").write_text(output)
+        with open(f"/tmp/h7/{os.path.basename(str(tmp_path))}.log", "w") as f:
+            f.write(output)
+    assert proc.returncode == 0, output[-3000:]
     assert "elastic: tasks stopped for the resize (worker:0 exit code 75, worker:1 exit code 75)" in output
     return output
 
 
 def _attempts(output):
-    """The output of each attempt (launcher lines and task lines, in order)."""
-    return output.split("tfscale-launch: attempt ")[1:]
+    """The output of each attempt (each starts with the launcher's line about its size)."""
+    return output.split("tfscale-launch: elastic: running ")[1:]
 
 
 def _restored(attempt):

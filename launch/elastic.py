@@ -248,6 +248,10 @@ class ElasticJob:
             names = [h for h, s in self.world for _ in range(s)]
             self._hosts_of_tasks = {f"worker:{i}": h for i, h in enumerate(names)}
 
+    def tf_config(self, index):
+        """The TF_CONFIG of worker `index` in the last attempt built."""
+        return self._job.spec.to_json("worker", index)
+
     def host_of(self, task_name):
         """The (remote) host a task ran on, or None for a local job."""
         return self._hosts_of_tasks.get(task_name)
@@ -289,8 +293,8 @@ class ElasticSupervisor(supervisor.Supervisor):
         tasks = self._job(attempt)
         if self._log_configs:
             self._log_configs = False
-            for task in tasks:
-                self._say(f"  {task.name} TF_CONFIG={task.env.get('TF_CONFIG', '(set on its host)')}")
+            for index in range(self._job.size):
+                self._say(f"  worker:{index} TF_CONFIG={self._job.tf_config(index)}")
         return tasks
 
     def _usable_world(self):

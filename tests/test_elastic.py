@@ -160,6 +160,7 @@ def test_host_failing_twice_is_cooled_down_and_the_job_goes_on_without_it(marker
     assert run.returncode == 0, run.stderr
     assert run.stdout.count("[worker:2] on nodeB of 3 2:3 per_replica") == 2
     assert "elastic: nodeB failed twice in a row; left out for a cool-down" in run.stderr
+    assert '  worker:2 TF_CONFIG={"cluster":{"worker":["nodeA:2222","nodeA:2223","nodeB:2222"]}' in run.stderr
     assert (
         "elastic: running from 3 to 2 workers (worker:2 failed (exit code 3) in attempt 2) on nodeA:2"
         in run.stderr
@@ -297,7 +298,9 @@ def test_tfscale_train_loses_a_worker_goes_on_with_2_grows_back_to_3_and_ends_at
     assert _restored(third)[2] == max(_global_steps(second, " backup /")) > _restored(second)[2]
     final = _model(model_dir)
     assert int(final.optimizer.iterations.numpy()) == EPOCHS * STEPS
-    for got, want in zip(final.get_weights(), _model(reference).get_weights()):
+    pairs = list(zip(final.get_weights(), _model(reference).get_weights()))
+    print(f"max |elastic - uninterrupted| = {max(float(np.max(np.abs(a - b))) for a, b in pairs):.3g}")
+    for got, want in pairs:
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
@@ -327,6 +330,10 @@ def test_per_replica_batch_scales_the_global_batch_and_learning_rate_with_the_wo
         examples = int(re.search(r"example (\d+) of epoch", done).group(1))
         assert f"of epoch {epoch} (" in done and f"steps of {old}) is step {step} of {new} here" in done
         assert step == examples // new
+        before, after = 0.003 * old / 48, 0.003 * new / 48  # the rate of each size, by the rule
+        assert (
+            f"elastic resume: learning rate {before:g} -> {after:g} (x {new}/{old}, global batch)" in attempt
+        )
     # Steps: every step done so far, then the rest of the epoch and the epochs left at 48 a step.
     epoch, step, global_step = _restored(third)
     final = _model(model_dir)

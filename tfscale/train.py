@@ -240,10 +240,7 @@ def _backup_callback(config, global_batch, elastic):
 
     if elastic is not None:  # backups made at another size resume here
         return ElasticBackupAndRestore(
-            config.backup_dir,
-            save_freq=config.backup_freq,
-            global_batch_size=global_batch,
-            learning_rate=config.learning_rate,
+            config.backup_dir, save_freq=config.backup_freq, global_batch_size=global_batch
         )
     return BackupAndRestore(config.backup_dir, save_freq=config.backup_freq)
 

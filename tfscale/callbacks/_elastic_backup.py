@@ -8,12 +8,16 @@ and a run with another one resumes the same epoch (the same shuffled order) at
 `examples_done // new_batch` batches, i.e. at the last whole new batch before the
 position. Exact when the position is a multiple of the new batch; otherwise the
 fewer than `new_batch` examples since that batch boundary are trained on again.
-The learning rate of this run (rescaled for its size) replaces the one in the
-backup, which Keras keeps among the optimizer's variables.
+Keras keeps the learning rate among the optimizer's variables, so the restore brings
+back the rate of the backup's size; it is scaled by new / old global batch, the linear
+scaling rule `--elastic_batch=per_replica` follows (a warmup or schedule callback that
+sets the rate itself still does).
 """
 
 import dataclasses
 import logging
+
+import keras
 
 from tfscale.callbacks.backup_and_restore import BackupAndRestore, BackupError
 
@@ -28,14 +32,12 @@ class ElasticBackupAndRestore(BackupAndRestore):
     Args:
         backup_dir: as for `BackupAndRestore`.
         global_batch_size: the global batch (examples per step) of this run.
-        learning_rate: the learning rate of this run, set again after a restore.
         **kwargs: the other `BackupAndRestore` arguments.
     """
 
-    def __init__(self, backup_dir, *, global_batch_size, learning_rate, **kwargs):
+    def __init__(self, backup_dir, *, global_batch_size, **kwargs):
         super().__init__(backup_dir, **kwargs)
         self.global_batch_size = global_batch_size
-        self.learning_rate = learning_rate
 
     def _meta(self, at_epoch_end):
         return {**super()._meta(at_epoch_end), "global_batch_size": self.global_batch_size}
@@ -66,8 +68,17 @@ class ElasticBackupAndRestore(BackupAndRestore):
             backup = dataclasses.replace(backup, meta=meta)
         super()._restore(backup)
         optimizer = self.model.optimizer
-        if optimizer is not None:
+        if old != self.global_batch_size and optimizer is not None:
+            # A distributed variable under tf.distribute: float() of it is a TypeError.
+            restored = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
             try:
-                optimizer.learning_rate = self.learning_rate
+                optimizer.learning_rate = restored * self.global_batch_size / old
             except TypeError:  # a LearningRateSchedule: it computes the rate itself
-                pass
+                return
+            _log.info(
+                "tfscale: elastic resume: learning rate %g -> %g (x %d/%d, global batch)",
+                restored,
+                restored * self.global_batch_size / old,
+                self.global_batch_size,
+                old,
+            )

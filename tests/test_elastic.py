@@ -169,6 +169,35 @@ def test_host_failing_twice_is_cooled_down_and_the_job_goes_on_without_it(marker
     assert "job succeeded in attempt 3 on 2 workers" in run.stderr
 
 
+@pytest.mark.parametrize(
+    ("mode", "workers", "batch", "rate"),
+    [
+        ("global", 2, 48, 0.003),
+        ("global", 3, 48, 0.003),
+        ("per_replica", 2, 32, 0.002),
+        ("per_replica", 3, 48, 0.003),
+    ],
+)
+def test_elastic_batch_rule(mode, workers, batch, rate):
+    environ = {elastic.ELASTIC_WORKERS_VAR: "2:3", elastic.ELASTIC_BATCH_VAR: mode}
+    rule = elastic.elastic_batch(48, 0.003, num_replicas=workers, num_workers=workers, environ=environ)
+    assert (rule.global_batch_size, rule.learning_rate) == (batch, pytest.approx(rate))
+    # Two replicas a worker: the full size has 6 replicas, the per-replica batch stays 8.
+    rule = elastic.elastic_batch(48, 0.003, num_replicas=2 * workers, num_workers=workers, environ=environ)
+    assert rule.global_batch_size == (48 if mode == "global" else 16 * workers)
+    assert elastic.elastic_batch(48, 0.003, num_replicas=2, num_workers=2, environ={}) is None
+    with pytest.raises(
+        LaunchError, match=r"Received: 50 for 3 replicas at the full size. Expected a multiple of 3"
+    ):
+        elastic.elastic_batch(
+            50,
+            0.1,
+            num_replicas=2,
+            num_workers=2,
+            environ={**environ, "TFSCALE_ELASTIC_BATCH": "per_replica"},
+        )
+
+
 def test_discovery_lines_and_host_cooldown():
     assert _discovery.parse_hosts("# usable\nnode1:4\n\nnode2\n", "x") == [("node1", 4), ("node2", 1)]
     with pytest.raises(LaunchError, match=r"Received: 'node1:four'. Expected `host` or `host:slots`"):

@@ -17,16 +17,14 @@ from absl import flags
 
 from tfscale import errors
 from tfscale import flags as tfscale_flags
-from tfscale.launch import _remote, jobs, supervisor
+from tfscale.launch import _remote, elastic, jobs, supervisor
 
 __all__ = ["define_flags", "job_from_flags", "main", "run"]
 
 
 def define_flags(fv):
     """Defines the launcher's flags on the `FlagValues` `fv`."""
-    flags.DEFINE_integer(
-        "num_workers", None, "Worker tasks on this host (default 1).", lower_bound=1, flag_values=fv
-    )
+    elastic.define_num_workers(fv)  # N, or MIN:MAX for an elastic job
     # --hosts (--workers), --hostfile, --port, --chief, --num_ps, --evaluator: as in tfscale-tfconfig.
     tfscale_flags.define_cluster_source_flags(
         fv, ("hosts", "hostfile", "port", "chief", "num_ps", "evaluator")
@@ -72,6 +70,7 @@ def define_flags(fv):
         "(via a sitecustomize on PYTHONPATH), for programs that do not import tfscale.",
         flag_values=fv,
     )
+    elastic.define_flags(fv)
 
 
 def _positive_or_none(value):
@@ -112,6 +111,8 @@ def job_from_flags(fv, command):
 def main(argv, fv):
     """Runs the job of the flags in `fv` and the command `argv[1:]`; returns the exit status."""
     try:
+        if elastic.requested(fv):
+            return elastic.main(fv, argv[1:])
         job = job_from_flags(fv, argv[1:])
         result = supervisor.launch(
             job,

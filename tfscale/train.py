@@ -178,7 +178,7 @@ def _optimizer(config, learning_rate):
     return getattr(keras.optimizers, tfscale_flags.OPTIMIZERS[config.optimizer])(learning_rate)
 
 
-def _callbacks(config, strategy, info, steps_per_epoch, is_chief):
+def _callbacks(config, strategy, info, steps_per_epoch, is_chief, *, elastic=None):
     import keras
 
     from tfscale.callbacks.lr_warmup import LearningRateWarmup
@@ -198,7 +198,7 @@ def _callbacks(config, strategy, info, steps_per_epoch, is_chief):
             ),
         )
     if config.backup_dir:
-        callbacks.append(_backup_callback(config))
+        callbacks.append(_backup_callback(config, info.global_batch_size, elastic))
     if config.fail_at_step:
         callbacks.append(_fail_at_callback(config.fail_at_step))
     if is_chief and config.model_dir:
@@ -209,10 +209,37 @@ def _callbacks(config, strategy, info, steps_per_epoch, is_chief):
     return callbacks, timer
 
 
-def _backup_callback(config):
+def _backup_callback(config, global_batch, elastic):
     from tfscale.callbacks import BackupAndRestore
+    from tfscale.callbacks._elastic_backup import ElasticBackupAndRestore
 
+    if elastic is not None:  # backups made at another size resume here
+        return ElasticBackupAndRestore(
+            config.backup_dir, save_freq=config.backup_freq, global_batch_size=global_batch
+        )
     return BackupAndRestore(config.backup_dir, save_freq=config.backup_freq)
+
+
+def _elastic(config, global_batch, replicas):
+    """Under `tfscale-launch --num_workers MIN:MAX`: the config, global batch and rule for this size."""
+    from tfscale.launch.elastic import elastic_batch
+    from tfscale.launch.supervisor import LaunchError
+
+    try:
+        elastic = elastic_batch(
+            global_batch,
+            config.learning_rate,
+            num_replicas=replicas,
+            num_workers=config.cluster.num_workers if config.cluster is not None else 1,
+            per_replica_batch_size=config.per_replica_batch_size,
+        )
+    except LaunchError as e:
+        raise TrainError(str(e)) from None
+    if elastic is None:
+        return config, global_batch, None
+    _log.info("%s", elastic.describe())
+    config = dataclasses.replace(config, learning_rate=elastic.learning_rate)
+    return config, elastic.global_batch_size, elastic
 
 
 def _fail_at_callback(step):
@@ -305,6 +332,7 @@ def train(config):
     # tf.data combines an op's seed with the global seed: fix both before the datasets exist.
     keras.utils.set_random_seed(config.seed)
     global_batch = _global_batch(config, replicas)
+    config, global_batch, elastic = _elastic(config, global_batch, replicas)
     ds, info, eval_ds, eval_split = _datasets(config, strategy, global_batch)
     steps = config.steps_per_epoch or info.steps_per_epoch
     scale = replicas if config.lr_scaling == "linear" else 1
@@ -312,7 +340,7 @@ def train(config):
     # the initial weights must not depend on whether that happened in this run.
     keras.utils.set_random_seed(config.seed)
     model = _build_model(config, strategy, info, config.learning_rate * scale)
-    callbacks, timer = _callbacks(config, strategy, info, steps, is_chief)
+    callbacks, timer = _callbacks(config, strategy, info, steps, is_chief, elastic=elastic)
     _log.info(
         "train: strategy=%s replicas=%d workers=%d global_batch=%d steps/epoch=%d",
         name,

@@ -1,5 +1,6 @@
 """`get(name, **options)`: the real tf.distribute strategies, configured well."""
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -9,7 +10,8 @@ import urllib.parse
 import tensorflow as tf
 
 from tfscale.cluster import ClusterSpec
-from tfscale.compat import collective_keys, keras_multi_worker
+from tfscale.compat import collective_keys, keras_multi_worker, keras_optimizer
+from tfscale.strategies import _communication
 from tfscale.strategies._devices import cpu_device_names, parse_device, split_cpu
 from tfscale.strategies._errors import StrategyError
 
@@ -54,7 +56,21 @@ def _one_device(*, device=None):
     return tf.distribute.OneDeviceStrategy(parse_device(device))
 
 
-def _mirrored(*, devices=None, num_gpus=None, cross_device_ops=None, cpu_replicas=None):
+def _mirrored(
+    *,
+    devices=None,
+    num_gpus=None,
+    cross_device_ops=None,
+    cpu_replicas=None,
+    gradient_compression=None,
+    bytes_per_pack=0,
+    timeout_seconds=None,
+):
+    communication = _communication.Communication(
+        gradient_compression=gradient_compression,
+        bytes_per_pack=bytes_per_pack,
+        timeout_seconds=timeout_seconds,
+    )
     exclusive = (("devices", devices), ("num_gpus", num_gpus), ("cpu_replicas", cpu_replicas))
     given = [k for k, v in exclusive if v is not None]
     if len(given) > 1:
@@ -87,6 +103,8 @@ def _mirrored(*, devices=None, num_gpus=None, cross_device_ops=None, cpu_replica
     collective_keys.reserve_key_range()
     strategy = tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
     collective_keys.reserve_key_range()
+    keras_optimizer.apply()  # Clip after the all-reduce; accumulation; options reach it.
+    _communication.configure(strategy, **dataclasses.asdict(communication))
     return strategy
 
 
@@ -94,7 +112,15 @@ def _positive_number(value):
     return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
 
 
-def _multi_worker(*, communication="auto", timeout_seconds=None, cluster_resolver=None, cpu_replicas=None):
+def _multi_worker(
+    *,
+    communication="auto",
+    timeout_seconds=None,
+    cluster_resolver=None,
+    cpu_replicas=None,
+    gradient_compression=None,
+    bytes_per_pack=0,
+):
     from tfscale.compat import keras_multi_worker
 
     _choice("communication", communication, _COMMUNICATION)
@@ -108,10 +134,19 @@ def _multi_worker(*, communication="auto", timeout_seconds=None, cluster_resolve
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=_COMMUNICATION[communication], timeout_seconds=timeout_seconds
     )
+    gradients = _communication.Communication(
+        gradient_compression=gradient_compression,
+        bytes_per_pack=bytes_per_pack,
+        timeout_seconds=timeout_seconds,
+        implementation=communication,
+    )
     keras_multi_worker.apply()
-    return keras_multi_worker.make_multi_worker_strategy(
+    keras_optimizer.apply()
+    strategy = keras_multi_worker.make_multi_worker_strategy(
         cluster_resolver=cluster_resolver, communication_options=options, cpu_replicas=cpu_replicas
     )
+    _communication.configure(strategy, **dataclasses.asdict(gradients))
+    return strategy
 
 
 def _probe(address):

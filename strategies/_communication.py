@@ -66,7 +66,9 @@ class Communication:
                 "Invalid value for argument `bytes_per_pack`. Received: "
                 f"bytes_per_pack={self.bytes_per_pack!r}. Expected an integer >= 0 (0: one pack)."
             )
-        if self.timeout_seconds is not None and not (_is_number(self.timeout_seconds) and self.timeout_seconds > 0):
+        if self.timeout_seconds is not None and not (
+            _is_number(self.timeout_seconds) and self.timeout_seconds > 0
+        ):
             raise StrategyError(
                 "Invalid value for argument `timeout_seconds`. Received: "
                 f"timeout_seconds={self.timeout_seconds!r}. Expected a positive number of seconds."

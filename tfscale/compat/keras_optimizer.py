@@ -178,7 +178,9 @@ def _make_add_variable_from_reference(original):
         if name != _ACCUMULATOR or not _data_parallel(self._distribution_strategy):
             return original(self, reference_variable, name=name, initializer=initializer)
         # ON_READ/SUM: replica-local sums, saved as their cross-replica total.
-        colocate = reference_variable.value if isinstance(reference_variable, keras.Variable) else reference_variable
+        colocate = (
+            reference_variable.value if isinstance(reference_variable, keras.Variable) else reference_variable
+        )
         with self._distribution_strategy.extended.colocate_vars_with(colocate):
             with keras.name_scope(self.name, caller=self):
                 variable = keras.Variable(

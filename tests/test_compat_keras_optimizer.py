@@ -1,0 +1,99 @@
+"""tfscale.compat.keras_optimizer: optimizer options under data parallelism mean what they mean on one device.
+
+Every run is compared with the single-device run with the same global batch. The
+2-process multi-worker cluster is tested once, over several options, in
+`test_multi_worker_optimizer_options_match_one_device`.
+"""
+
+import functools
+from unittest import mock
+
+import _optimizer_workers as workers
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfscale.compat import keras_optimizer
+from tfscale.strategies import get
+
+
+@functools.cache
+def _reference(option, optimizer="adam", mixed=False):
+    return _train("one_device", option, optimizer=optimizer, mixed=mixed)
+
+
+def _train(name, option, optimizer="adam", mixed=False, **strategy_options):
+    strategy = get(name, device="/cpu:0") if name == "one_device" else get(name, **strategy_options)
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16" if mixed else "float32")
+    try:
+        return workers.train(strategy, option, optimizer=optimizer)
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+
+
+def _max_difference(got, want):
+    return max(float(np.max(np.abs(g - w))) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize(
+    ("version", "fixed_in", "needed"),
+    [
+        ("3.15.1", None, True),
+        ("2.15.0", None, False),
+        ("3.15.1", "3.16.0", True),
+        ("3.16.0", "3.16.0", False),
+    ],
+)
+def test_fix_is_version_gated(version, fixed_in, needed):
+    with mock.patch.object(keras_optimizer, "_FIXED_IN", fixed_in):
+        assert keras_optimizer.needed(version) is needed
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("option", sorted(workers.OPTIONS))
+def test_mirrored_matches_one_device(option, replicas):
+    got = _train("mirrored", option, cpu_replicas=replicas)
+    # fp32 with the same global batch: only the order of additions differs.
+    assert _max_difference(got, _reference(option)) < 1e-6
+
+
+@pytest.mark.parametrize("option", ["plain", "global_clipnorm", "accumulation"])
+def test_mixed_float16_loss_scaling_matches_one_device(option):
+    # mixed_float16 computes activations and gradients in fp16 (11-bit mantissa,
+    # relative rounding 4.9e-4) on a different batch split per replica, so the runs
+    # round differently; SGD keeps that round-off proportional (Adam divides it by
+    # tiny second moments). 16 steps at lr 0.05 stay within 2e-3.
+    got = _train("mirrored", option, optimizer="sgd", mixed=True, cpu_replicas=2)
+    assert _max_difference(got, _reference(option, optimizer="sgd", mixed=True)) < 2e-3
+
+
+def _train_stock(option):
+    strategy = get("mirrored", cpu_replicas=2)  # Applies the fix; undone for this run.
+    keras_optimizer._unapply()
+    try:
+        return workers.train(strategy, option)
+    finally:
+        keras_optimizer.apply()
+
+
+def test_stock_keras_still_clips_before_the_all_reduce():
+    """Fails when upstream fixes it: then set `_FIXED_IN` and retire the patch."""
+    assert _max_difference(_train_stock("global_clipnorm"), _reference("global_clipnorm")) > 1e-2
+
+
+def test_stock_keras_still_crashes_on_gradient_accumulation():
+    with pytest.raises(RuntimeError, match="merge_call"):
+        _train_stock("accumulation")
+    assert keras_optimizer.is_applied()
+
+
+def test_accumulators_are_replica_local_sums():
+    strategy = get("mirrored", cpu_replicas=2)
+    with strategy.scope():
+        model = workers.build_model(workers.OPTIONS["accumulation"])
+        model.optimizer.build(model.trainable_variables)
+    accumulators = model.optimizer._accumulated_gradients
+    assert all(a.value.synchronization == tf.VariableSynchronization.ON_READ for a in accumulators)
+    assert all(a.value.aggregation == tf.VariableAggregation.SUM for a in accumulators)

@@ -111,3 +111,20 @@ def configure(strategy, **options):
 def of(strategy):
     """The `Communication` attached to `strategy` (defaults if none was)."""
     return getattr(strategy, _ATTRIBUTE, None) or Communication()
+
+
+def traced_all_reduces(graph):
+    """The gradient all-reduce launches in a traced step: `[(dtype, bytes), ...]`.
+
+    Reads the `CollectiveReduceV2` ops of `graph` (e.g. the graph of a concrete
+    `tf.function` that runs one training step under the strategy), one per replica
+    per pack, with the size of the tensor each sends. Launches inside `tf.cond`
+    branches (the fp16 overflow fallback) live in branch functions and are not
+    counted: they run only on the steps that take that branch.
+    """
+    launches = []
+    for op in graph.get_operations():
+        if op.type == "CollectiveReduceV2":
+            tensor = op.inputs[0]
+            launches.append((tensor.dtype.name, tensor.shape.num_elements() * tensor.dtype.size))
+    return launches

@@ -1,4 +1,4 @@
-"""Gradient all-reduce options: compression and packing reach Keras's all-reduce (strategies/_communication.py)."""
+"""Gradient all-reduce options (strategies/_communication.py): compression and packing reach Keras."""
 
 import _optimizer_workers as workers
 import keras

@@ -52,3 +52,18 @@ def train(strategy, option="plain", epochs=2, callbacks=(), optimizer="adam"):
         model = build_model(OPTIONS[option], optimizer)
     model.fit(dataset, epochs=epochs, verbose=0, callbacks=list(callbacks))
     return [np.asarray(w) for w in model.get_weights()]
+
+
+def multi_worker_runs(options, compressed_option="plain"):
+    """In each task of a cluster: train every option of `options`, then one fp16-compressed run."""
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tfscale.strategies
+    from tfscale.strategies import _communication
+
+    strategy = tfscale.strategies.get("multi_worker")  # One MWMS per process, reused.
+    weights = {option: train(strategy, option) for option in options}
+    _communication.configure(strategy, gradient_compression="fp16")
+    compressed = train(strategy, compressed_option)
+    return {"replicas": strategy.num_replicas_in_sync, "weights": weights, "fp16": compressed}

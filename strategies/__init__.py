@@ -1,6 +1,8 @@
 """tfscale.strategies: `get(name, **options)` for tf.distribute strategies and tfscale's own."""
 
 from tfscale.strategies._builtin import NAMES, get
+from tfscale.strategies._communication import Communication
+from tfscale.strategies._communication import configure as configure_communication
 from tfscale.strategies._devices import split_cpu
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._partition import BalanceError
@@ -18,6 +20,7 @@ __all__ = [
     "NAMES",
     "BalanceError",
     "ColumnParallelDense",
+    "Communication",
     "HeadParallelMultiHeadAttention",
     "ModelSplitError",
     "ModelSplitStrategy",
@@ -25,6 +28,7 @@ __all__ = [
     "RowParallelDense",
     "StrategyError",
     "VocabParallelEmbedding",
+    "configure_communication",
     "get",
     "split_cpu",
 ]

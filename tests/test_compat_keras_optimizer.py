@@ -69,6 +69,17 @@ def test_mixed_float16_loss_scaling_matches_one_device(option):
     assert _max_difference(got, _reference(option, optimizer="sgd", mixed=True)) < 2e-3
 
 
+def test_hand_built_strategy_needs_one_explicit_call():
+    import tfscale.compat
+    import tfscale.strategies
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert tfscale.compat.apply_optimizer_fixes() is True
+    tfscale.strategies.configure_communication(strategy, bytes_per_pack=64)
+    got = workers.train(strategy, "global_clipnorm")
+    assert _max_difference(got, _reference("global_clipnorm")) < 1e-6
+
+
 def _train_stock(option):
     strategy = get("mirrored", cpu_replicas=2)  # Applies the fix; undone for this run.
     keras_optimizer._unapply()

@@ -89,6 +89,40 @@ def _train_stock(option):
         keras_optimizer.apply()
 
 
+def _train_one_replica_overflows(strategy, stock=False):
+    # Examples 8..15 (replica 1's half of the first batch) are 300x larger: under the
+    # initial loss scale 2**15 their fp16 gradients overflow, replica 0's do not.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    x[8:16] *= 300
+    y = rng.normal(size=(64, 1)).astype("float32")
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential(
+                [keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1, dtype="float32")]
+            )
+            model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+        if stock:
+            keras_optimizer._unapply()
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    finally:
+        keras_optimizer.apply()
+        keras.mixed_precision.set_global_policy(policy)
+    return model.get_weights()
+
+
+def test_loss_scaling_skips_a_step_when_any_replica_overflows():
+    """One device skips the step (inf in the batch); stock Keras asks only replica 0."""
+    want = _train_one_replica_overflows(get("one_device", device="/cpu:0"))
+    got = _train_one_replica_overflows(get("mirrored", cpu_replicas=2))
+    assert _max_difference(got, want) < 1e-6  # Same skipped steps, then fp16 round-off only.
+    stock = _train_one_replica_overflows(get("mirrored", cpu_replicas=2), stock=True)
+    assert not all(np.isfinite(w).all() for w in stock)  # Upstream still applies the inf.
+
+
 def test_stock_keras_still_clips_before_the_all_reduce():
     """Fails when upstream fixes it: then set `_FIXED_IN` and retire the patch."""
     assert _max_difference(_train_stock("global_clipnorm"), _reference("global_clipnorm")) > 1e-2

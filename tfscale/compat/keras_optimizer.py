@@ -8,10 +8,12 @@ has clipped them, with `replica_context.all_reduce(SUM, grads)` and no
 
 1. `clipnorm` / `global_clipnorm` / `clipvalue` clip each replica's partial gradient
    (1/N of the loss) rather than the summed gradient: training differs from one
-   device (upstream: keras-team/keras#19383-class reports; no fix as of 3.15.1).
+   device. tf.keras 2 refused clipping under a strategy for exactly this reason
+   (tensorflow/tensorflow#33929); Keras 3 allows it and clips in the wrong place.
 2. `gradient_accumulation_steps=k` crashes in `fit` ("merge_call called while
    defining a new graph"): the all-reduce, weight decay and the accumulator
-   updates each call `merge_call` inside the optimizer's `ops.cond`.
+   updates each call `merge_call` inside the optimizer's `ops.cond`
+   (keras-team/keras#20582, open); so does `ema_overwrite_frequency`.
 3. `LossScaleOptimizer` decides "finite?" on replica 0's *local* gradients (its
    comment assumes they were already all-reduced), so replicas can disagree.
 4. No `CommunicationOptions` (packing, timeout, implementation) ever reach the

@@ -104,18 +104,27 @@ def all_reduce_sum(grads):
     communication = _communication.of(strategy)
     options = strategy.extended._communication_options.merge(communication.options())
     wire = communication.compression_dtype
-    if wire is None:
-        return _launch(strategy, list(grads), options)
-    compressed = _launch(strategy, [tf.cast(g, wire) for g in grads], options)
+    grads = list(grads)
+    dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+    if wire is None or not dense:
+        return _launch(strategy, grads, options)
+    # Sparse (IndexedSlices) gradients are all-gathered, not summed: sent as they are.
+    sparse = [i for i in range(len(grads)) if i not in dense]
+    dense_grads = [grads[i] for i in dense]
+    compressed = _launch(strategy, [tf.cast(g, wire) for g in dense_grads], options)
     # Every replica receives the same reduced values, so every replica takes the same
     # branch: an fp16 overflow (inf) redoes this step's all-reduce uncompressed
     # instead of writing inf into the weights.
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(c)) for c in compressed])
-    return tf.cond(
+    dense_reduced = tf.cond(
         finite,
-        lambda: [tf.cast(c, g.dtype) for c, g in zip(compressed, grads)],
-        lambda: _launch(strategy, list(grads), options),
+        lambda: [tf.cast(c, g.dtype) for c, g in zip(compressed, dense_grads)],
+        lambda: _launch(strategy, dense_grads, options),
     )
+    reduced = dict(zip(dense, dense_reduced))
+    if sparse:
+        reduced.update(zip(sparse, _launch(strategy, [grads[i] for i in sparse], options)))
+    return [reduced[i] for i in range(len(grads))]
 
 
 def _reduce(optimizer, grads):

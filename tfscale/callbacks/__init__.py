@@ -7,6 +7,7 @@ from tfscale.callbacks.backup_and_restore import (
     BackupMismatchError,
     UnusableBackupError,
 )
+from tfscale.callbacks.communication_profiler import CommunicationProfiler
 from tfscale.callbacks.fail_at import FailAt, InjectedFault
 from tfscale.callbacks.lr_warmup import LearningRateWarmup
 from tfscale.callbacks.step_timer import StepTimer
@@ -16,6 +17,7 @@ __all__ = [
     "BackupAndRestore",
     "BackupError",
     "BackupMismatchError",
+    "CommunicationProfiler",
     "FailAt",
     "InjectedFault",
     "LearningRateWarmup",

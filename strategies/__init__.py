@@ -8,6 +8,8 @@ layers onto devices, gradients and optimizer slots beside their variables), `_pa
 """
 
 from tfscale.strategies._builtin import NAMES, get
+from tfscale.strategies._communication import Communication
+from tfscale.strategies._communication import configure as configure_communication
 from tfscale.strategies._devices import split_cpu
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._partition import BalanceError
@@ -25,6 +27,7 @@ __all__ = [
     "NAMES",
     "BalanceError",
     "ColumnParallelDense",
+    "Communication",
     "HeadParallelMultiHeadAttention",
     "ModelSplitError",
     "ModelSplitStrategy",
@@ -32,6 +35,7 @@ __all__ = [
     "RowParallelDense",
     "StrategyError",
     "VocabParallelEmbedding",
+    "configure_communication",
     "get",
     "split_cpu",
 ]

@@ -1,5 +1,6 @@
 """`get(name, **options)`: the real tf.distribute strategies, configured well."""
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -11,7 +12,8 @@ import tensorflow as tf
 from tfscale._auto import choose as _choose_auto
 from tfscale._auto import tpu_named as _tpu_named
 from tfscale.cluster import ClusterSpec
-from tfscale.compat import collective_keys, keras_multi_worker
+from tfscale.compat import collective_keys, keras_multi_worker, keras_optimizer
+from tfscale.strategies import _communication
 from tfscale.strategies._devices import cpu_device_names, parse_device, split_cpu
 from tfscale.strategies._errors import StrategyError
 
@@ -55,7 +57,21 @@ def _one_device(*, device=None):
     return tf.distribute.OneDeviceStrategy(parse_device(device))
 
 
-def _mirrored(*, devices=None, num_gpus=None, cross_device_ops=None, cpu_replicas=None):
+def _mirrored(
+    *,
+    devices=None,
+    num_gpus=None,
+    cross_device_ops=None,
+    cpu_replicas=None,
+    gradient_compression=None,
+    bytes_per_pack=0,
+    timeout_seconds=None,
+):
+    communication = _communication.Communication(
+        gradient_compression=gradient_compression,
+        bytes_per_pack=bytes_per_pack,
+        timeout_seconds=timeout_seconds,
+    )
     exclusive = (("devices", devices), ("num_gpus", num_gpus), ("cpu_replicas", cpu_replicas))
     given = [k for k, v in exclusive if v is not None]
     if len(given) > 1:
@@ -92,6 +108,8 @@ def _mirrored(*, devices=None, num_gpus=None, cross_device_ops=None, cpu_replica
     collective_keys.reserve_key_range()
     strategy = tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
     collective_keys.reserve_key_range()
+    keras_optimizer.apply()  # Clip after the all-reduce; accumulation; options reach it.
+    _communication.configure(strategy, **dataclasses.asdict(communication))
     return strategy
 
 
@@ -100,7 +118,14 @@ def _positive_number(value):
 
 
 def _multi_worker(
-    *, cluster, communication="auto", timeout_seconds=None, cluster_resolver=None, cpu_replicas=None
+    *,
+    cluster,
+    communication="auto",
+    timeout_seconds=None,
+    cluster_resolver=None,
+    cpu_replicas=None,
+    gradient_compression=None,
+    bytes_per_pack=0,
 ):
     _choice("communication", communication, _COMMUNICATION)
     if timeout_seconds is not None and not _positive_number(timeout_seconds):
@@ -115,10 +140,19 @@ def _multi_worker(
     )
     if cluster_resolver is None and not cluster.is_local:
         cluster_resolver = cluster.to_resolver()  # Else TensorFlow's default: one local worker.
+    gradients = _communication.Communication(
+        gradient_compression=gradient_compression,
+        bytes_per_pack=bytes_per_pack,
+        timeout_seconds=timeout_seconds,
+        implementation=communication,
+    )
     keras_multi_worker.apply()
-    return keras_multi_worker.make_multi_worker_strategy(
+    keras_optimizer.apply()
+    strategy = keras_multi_worker.make_multi_worker_strategy(
         cluster_resolver=cluster_resolver, communication_options=options, cpu_replicas=cpu_replicas
     )
+    _communication.configure(strategy, **dataclasses.asdict(gradients))
+    return strategy
 
 
 def _probe(address):

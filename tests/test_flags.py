@@ -45,6 +45,11 @@ def test_strategy_args_pass_only_the_options_given():
     )
     fv = _parse("--strategy=multi_worker", "--communication=ring")
     assert tfscale.flags.strategy_args(fv) == ("multi_worker", {"communication": "ring"})
+    fv = _parse("--strategy=mirrored", "--gradient_compression=fp16", "--bytes_per_pack=0")
+    assert tfscale.flags.strategy_args(fv) == (
+        "mirrored",
+        {"gradient_compression": "fp16", "bytes_per_pack": 0},
+    )
 
 
 @pytest.mark.parametrize(
@@ -67,6 +72,11 @@ def test_strategy_args_pass_only_the_options_given():
             r"--model='resnet' is unknown\. Expected one of \['mlp', 'cnn', 'transformer'\]",
         ),
         (["--epochs=0"], r"--epochs"),
+        (
+            ["--gradient_compression=int8"],
+            r"--gradient_compression=int8: value should be one of <fp16\|bf16>",
+        ),
+        (["--bytes_per_pack=-1"], r"--bytes_per_pack expects an integer >= 0"),
         (["--learning_rate=-1"], r"--learning_rate expects a positive number"),
         (["--mixed_precision=fp8"], r"--mixed_precision=fp8: value should be one of"),
         (["--backup_freq=often"], r"--backup_freq='often'\. Expected 'epoch' or a positive number"),

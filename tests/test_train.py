@@ -102,6 +102,15 @@ def test_mirrored_matches_one_device_with_the_same_global_batch(one_device, data
     _assert_same_metrics(json.loads(result.to_json()), one_device)
 
 
+def test_gradient_compression_flag_trains_within_one_percent_of_uncompressed(one_device, data_dir):
+    args = ("--strategy=mirrored", "--cpu_replicas=2", "--gradient_compression=fp16", "--bytes_per_pack=4096")
+    proc = _train_cli(*QUICK, *args, f"--data_dir={data_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = _results(proc.stdout)
+    loss, want = result["history"]["loss"][-1], one_device.history["loss"][-1]
+    assert abs(loss - want) < 0.01 * want
+
+
 @pytest.fixture(scope="module")
 def multi_worker(data_dir, tmp_path_factory):
     """The QUICK flags as a 2-worker cluster, the binary in each process."""

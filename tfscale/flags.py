@@ -72,6 +72,22 @@ def define_strategy_flags(fv):
         "communication", "auto", ["auto", "ring", "nccl"], "Collectives of multi_worker.", flag_values=fv
     )
     flags.DEFINE_string("tpu", None, "TPU name or grpc:// address for --strategy=tpu.", flag_values=fv)
+    flags.DEFINE_enum(
+        "gradient_compression",
+        None,
+        ["fp16", "bf16"],
+        "Gradient all-reduce dtype for mirrored / multi_worker (cast back after it).",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "bytes_per_pack", None, "Gradient all-reduce pack size in bytes (0: one pack).", flag_values=fv
+    )
+    flags.register_validator(
+        "bytes_per_pack",
+        lambda v: v is None or v >= 0,
+        "--bytes_per_pack expects an integer >= 0.",
+        flag_values=fv,
+    )
     for name in ("cpu_replicas", "num_gpus"):
         flags.register_validator(
             name, _positive_or_none, f"--{name} expects a positive integer.", flag_values=fv
@@ -426,6 +442,8 @@ def strategy_args(fv):
         ("num_gpus", "num_gpus"),
         ("cross_device_ops", "cross_device_ops"),
         ("tpu", "tpu"),
+        ("gradient_compression", "gradient_compression"),
+        ("bytes_per_pack", "bytes_per_pack"),
     ):
         if fv[flag].value is not None:
             options[option] = fv[flag].value

@@ -8,6 +8,7 @@ from tfscale.callbacks.backup_and_restore import (
     BackupWriteError,
     UnusableBackupError,
 )
+from tfscale.callbacks.communication_profiler import CommunicationProfiler
 from tfscale.callbacks.fail_at import FailAt, InjectedFault
 from tfscale.callbacks.lr_warmup import LearningRateWarmup
 from tfscale.callbacks.step_timer import StepTimer
@@ -18,6 +19,7 @@ __all__ = [
     "BackupError",
     "BackupMismatchError",
     "BackupWriteError",
+    "CommunicationProfiler",
     "FailAt",
     "InjectedFault",
     "LearningRateWarmup",

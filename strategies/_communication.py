@@ -1,0 +1,130 @@
+"""How a data-parallel strategy all-reduces gradients: compression and packing options.
+
+`tfscale.strategies.get("mirrored" | "multi_worker", ...)` builds a `Communication`
+from its options and attaches it to the strategy it returns; the optimizer fix in
+`tfscale.compat.keras_optimizer` reads it back when Keras all-reduces gradients, so
+the options reach the one all-reduce of every optimizer step (Keras itself passes
+none). Hand-built strategies get the same with `configure(strategy, ...)`.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from tfscale.strategies._errors import StrategyError
+
+__all__ = ["COMPRESSIONS", "IMPLEMENTATIONS", "Communication", "configure", "of"]
+
+COMPRESSIONS = {None: None, "fp16": tf.float16, "bf16": tf.bfloat16}
+IMPLEMENTATIONS = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+_ATTRIBUTE = "_tfscale_communication"
+
+
+def _is_number(value):
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    """The gradient all-reduce of one strategy.
+
+    Args:
+        gradient_compression: None (all-reduce in the gradients' dtype), "fp16" or
+            "bf16": gradients are cast to that dtype for the all-reduce and back after
+            it. A sum that overflows fp16 is detected (the reduced values are the
+            same on every replica, so every replica sees the same inf) and that
+            step's all-reduce is redone in the gradients' own dtype.
+        bytes_per_pack: 0 packs all gradients into one collective launch; N > 0
+            splits them into packs of about N bytes, one launch each.
+        timeout_seconds: None (wait forever) or seconds after which a collective
+            fails instead of hanging.
+        implementation: "auto", "ring" or "nccl" (collective implementation).
+
+    Raises:
+        StrategyError: a value outside the ranges above.
+    """
+
+    gradient_compression: str | None = None
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    implementation: str = "auto"
+
+    def __post_init__(self):
+        if self.gradient_compression not in COMPRESSIONS:
+            raise StrategyError(
+                "Invalid value for argument `gradient_compression`. Received: "
+                f"gradient_compression={self.gradient_compression!r}. Expected one of None, 'fp16', 'bf16'."
+            )
+        if not (_is_number(self.bytes_per_pack) and int(self.bytes_per_pack) == self.bytes_per_pack) or (
+            self.bytes_per_pack < 0
+        ):
+            raise StrategyError(
+                "Invalid value for argument `bytes_per_pack`. Received: "
+                f"bytes_per_pack={self.bytes_per_pack!r}. Expected an integer >= 0 (0: one pack)."
+            )
+        if self.timeout_seconds is not None and not (
+            _is_number(self.timeout_seconds) and self.timeout_seconds > 0
+        ):
+            raise StrategyError(
+                "Invalid value for argument `timeout_seconds`. Received: "
+                f"timeout_seconds={self.timeout_seconds!r}. Expected a positive number of seconds."
+            )
+        if self.implementation not in IMPLEMENTATIONS:
+            raise StrategyError(
+                "Invalid value for argument `implementation`. Received: "
+                f"implementation={self.implementation!r}. Expected one of {sorted(IMPLEMENTATIONS)}."
+            )
+
+    @property
+    def compression_dtype(self):
+        """The dtype gradients travel in, or None for their own dtype."""
+        return COMPRESSIONS[self.gradient_compression]
+
+    def options(self):
+        """These options as `tf.distribute.experimental.CommunicationOptions`."""
+        return tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=int(self.bytes_per_pack),
+            timeout_seconds=self.timeout_seconds,
+            implementation=IMPLEMENTATIONS[self.implementation],
+        )
+
+
+def configure(strategy, **options):
+    """Attaches gradient all-reduce options to a (hand-built) strategy; returns them.
+
+    Args:
+        strategy: a `tf.distribute.MirroredStrategy` or `MultiWorkerMirroredStrategy`.
+        **options: the fields of `Communication`.
+
+    Returns:
+        The `Communication` now in effect for `strategy`.
+    """
+    communication = Communication(**options)
+    setattr(strategy, _ATTRIBUTE, communication)
+    return communication
+
+
+def of(strategy):
+    """The `Communication` attached to `strategy` (defaults if none was)."""
+    return getattr(strategy, _ATTRIBUTE, None) or Communication()
+
+
+def traced_all_reduces(graph):
+    """The gradient all-reduce launches in a traced step: `[(dtype, bytes), ...]`.
+
+    Reads the `CollectiveReduceV2` ops of `graph` (e.g. the graph of a concrete
+    `tf.function` that runs one training step under the strategy), one per replica
+    per pack, with the size of the tensor each sends. Launches inside `tf.cond`
+    branches (the fp16 overflow fallback) live in branch functions and are not
+    counted: they run only on the steps that take that branch.
+    """
+    launches = []
+    for op in graph.get_operations():
+        if op.type == "CollectiveReduceV2":
+            tensor = op.inputs[0]
+            launches.append((tensor.dtype.name, tensor.shape.num_elements() * tensor.dtype.size))
+    return launches

@@ -1,0 +1,106 @@
+"""Gradient all-reduce options (strategies/_communication.py): compression and packing reach Keras."""
+
+import _optimizer_workers as workers
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfscale.strategies import StrategyError, get
+from tfscale.strategies._communication import traced_all_reduces
+
+
+def _traced_step_launches(strategy, option="plain"):
+    """Launches of one traced training step (per replica), after fit built the model."""
+    x, y = workers.data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(workers.GLOBAL_BATCH)
+    with strategy.scope():
+        model = workers.build_model(workers.OPTIONS[option])
+    model.fit(dataset.take(1), verbose=0)
+    batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    step = tf.function(lambda b: strategy.run(model.train_step, args=(b,)))
+    launches = traced_all_reduces(step.get_concrete_function(batch).graph)
+    replicas = strategy.num_replicas_in_sync
+    assert len(launches) % replicas == 0
+    return launches[: len(launches) // replicas]
+
+
+def _gradient_bytes():
+    model = workers.build_model({})
+    return sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
+
+
+@pytest.mark.parametrize(
+    ("compression", "dtype", "ratio"),
+    [(None, "float32", 1.0), ("fp16", "float16", 0.5), ("bf16", "bfloat16", 0.5)],
+)
+def test_compression_sends_half_the_bytes(compression, dtype, ratio):
+    launches = _traced_step_launches(get("mirrored", cpu_replicas=2, gradient_compression=compression))
+    assert [d for d, _ in launches] == [dtype]
+    assert sum(b for _, b in launches) == ratio * _gradient_bytes()
+
+
+def test_bytes_per_pack_splits_the_all_reduce_into_launches():
+    one_pack = _traced_step_launches(get("mirrored", cpu_replicas=2))
+    assert len(one_pack) == 1
+    # TensorFlow closes a pack once it holds >= bytes_per_pack, walking the gradients
+    # (512, 64, 128, 8 bytes) backwards: 64 -> [8+128][64+512]; 1 -> one each.
+    for bytes_per_pack, launches in ((64, 2), (1, 4)):
+        packed = _traced_step_launches(get("mirrored", cpu_replicas=2, bytes_per_pack=bytes_per_pack))
+        assert len(packed) == launches
+        assert sum(b for _, b in packed) == sum(b for _, b in one_pack)
+
+
+def test_accumulation_steps_communicate_nothing_outside_the_update_branch():
+    # With k=2 the all-reduce sits in the update branch of the optimizer's cond:
+    # the step's own graph launches nothing; the branch launches one pack.
+    assert _traced_step_launches(get("mirrored", cpu_replicas=2), "accumulation") == []
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compressed_training_loss_within_one_percent(compression):
+    x, y = workers.data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(workers.GLOBAL_BATCH)
+    losses = []
+    for options in ({}, {"gradient_compression": compression}):
+        strategy = get("mirrored", cpu_replicas=2, **options)
+        with strategy.scope():
+            model = workers.build_model({})
+        losses.append(model.fit(dataset, epochs=4, verbose=0).history["loss"][-1])
+    assert abs(losses[1] - losses[0]) < 0.01 * losses[0]
+
+
+def _train_huge_gradients(compression):
+    # Targets of 1e5 make the gradients ~1e6, beyond fp16's 65504: a compressed sum
+    # would be inf. The tiny learning rate keeps the weights finite in fp32.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    y = np.full((32, 1), 1e5, "float32")
+    strategy = get("mirrored", cpu_replicas=2, gradient_compression=compression)
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(1e-9), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    return model.get_weights()
+
+
+def test_fp16_overflow_falls_back_to_uncompressed_instead_of_inf():
+    got = _train_huge_gradients("fp16")
+    assert all(np.isfinite(w).all() for w in got)
+    for g, w in zip(got, _train_huge_gradients(None)):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"gradient_compression": "int8"}, "gradient_compression='int8'"),
+        ({"bytes_per_pack": -1}, "bytes_per_pack=-1"),
+        ({"bytes_per_pack": 1.5}, "bytes_per_pack=1.5"),
+        ({"timeout_seconds": 0}, "timeout_seconds=0"),
+    ],
+)
+def test_bad_options_name_the_value(options, match):
+    with pytest.raises(StrategyError, match=match):
+        get("mirrored", cpu_replicas=2, **options)

@@ -1,0 +1,73 @@
+"""tfscale.compat.profiler_xplane: collective launches counted from a real profiler trace.
+
+Also the run-time proof that gradient accumulation communicates once per k micro-steps.
+"""
+
+import _optimizer_workers as workers
+import pytest
+import tensorflow as tf
+
+from tfscale.compat import profiler_xplane
+from tfscale.strategies import get
+
+
+def _profiled_launches(tmp_path, options, steps=8):
+    """All-reduce launches per replica while `fit` runs `steps` micro-steps under the profiler."""
+    x, y = workers.data(steps)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(workers.GLOBAL_BATCH)
+    strategy = get("mirrored", cpu_replicas=2)
+    with strategy.scope():
+        model = workers.build_model(options)
+    model.fit(dataset, verbose=0)  # Traced and warmed up outside the profile.
+    tf.profiler.experimental.start(str(tmp_path))
+    try:
+        model.fit(dataset, verbose=0)
+    finally:
+        tf.profiler.experimental.stop()
+    events = profiler_xplane.collective_events(profiler_xplane.latest_trace(str(tmp_path)))
+    assert all(e.duration_s > 0 and e.instance_key >= 0 for e in events)
+    return len(events) / strategy.num_replicas_in_sync
+
+
+def test_the_private_reader_still_finds_tensorflows_protobuf():
+    assert profiler_xplane.available()
+
+
+def test_accumulation_launches_once_per_k_micro_steps(tmp_path):
+    every_step = _profiled_launches(tmp_path / "k1", {})
+    every_fourth = _profiled_launches(tmp_path / "k4", {"gradient_accumulation_steps": 4})
+    assert every_step == 8  # One pack per step (bytes_per_pack=0).
+    assert every_fourth == pytest.approx(every_step / 4)
+
+
+def _profile_fit(log_dir, options, profile_steps=(3, 6)):
+    import tfscale.callbacks
+
+    x, y = workers.data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(workers.GLOBAL_BATCH)
+    strategy = get("mirrored", cpu_replicas=2)
+    with strategy.scope():
+        model = workers.build_model(options)
+    profiler = tfscale.callbacks.CommunicationProfiler(str(log_dir), profile_steps=profile_steps)
+    model.fit(dataset, verbose=0, callbacks=[profiler])
+    return profiler.report
+
+
+@pytest.mark.parametrize(("options", "launches"), [({}, 1.0), ({"gradient_accumulation_steps": 2}, 0.5)])
+def test_communication_profiler_reports_launches_and_fraction(tmp_path, options, launches):
+    import json
+
+    report = _profile_fit(tmp_path, options)
+    assert report["allreduce_launches_per_step"] == launches
+    assert 0 < report["allreduce_fraction"] < 1
+    assert report["profiled_steps"] == [3, 6]
+    with open(tmp_path / "communication-local.json") as f:
+        assert json.load(f) == report
+
+
+@pytest.mark.parametrize("profile_steps", [(0, 2), (3, 2), (1,), "1:2", (1.0, 2)])
+def test_communication_profiler_bad_steps(profile_steps):
+    import tfscale.callbacks
+
+    with pytest.raises(ValueError, match="profile_steps="):
+        tfscale.callbacks.CommunicationProfiler("/tmp/unused", profile_steps=profile_steps)

@@ -1,0 +1,279 @@
+"""Keras 3 optimizers under `MirroredStrategy` / `MultiWorkerMirroredStrategy`: one-device semantics.
+
+Checked on Keras 3.15.1 with TensorFlow 2.21 (and the same code is in Keras 3.0 to
+3.15): `keras.src.backend.tensorflow.optimizer.TFOptimizer` all-reduces gradients
+inside `_backend_update_step`, i.e. *after* `BaseOptimizer._backend_apply_gradients`
+has clipped them, with `replica_context.all_reduce(SUM, grads)` and no
+`CommunicationOptions`. Under distribution that means:
+
+1. `clipnorm` / `global_clipnorm` / `clipvalue` clip each replica's partial gradient
+   (1/N of the loss) rather than the summed gradient: training differs from one
+   device. tf.keras 2 refused clipping under a strategy for exactly this reason
+   (tensorflow/tensorflow#33929); Keras 3 allows it and clips in the wrong place.
+2. `gradient_accumulation_steps=k` crashes in `fit` ("merge_call called while
+   defining a new graph"): the all-reduce, weight decay and the accumulator
+   updates each call `merge_call` inside the optimizer's `ops.cond`
+   (keras-team/keras#20582, open); so does `ema_overwrite_frequency`.
+3. `LossScaleOptimizer` decides "finite?" on replica 0's *local* gradients (its
+   comment assumes they were already all-reduced), so replicas can disagree.
+4. No `CommunicationOptions` (packing, timeout, implementation) ever reach the
+   gradient all-reduce, and there is no way to compress it.
+
+The fix, applied only where those private methods exist unfixed (`needed()`):
+gradients are all-reduced first, in replica context, by launching the strategy's own
+collective ops directly (`CollectiveAllReduce._all_reduce`, the path TensorFlow
+itself takes when `merge_call` is disabled), with the strategy's `Communication`
+options (see `tfscale.strategies._communication`). Everything after that (clip,
+weight decay, `update_step`, EMA) runs on identical values on every replica and
+updates only the replica's own copy of each variable (Keras creates model and slot
+variables with aggregation NONE, which TensorFlow updates locally in replica
+context), so no `merge_call` is left and `ops.cond` works. Gradient accumulators are
+ON_READ/SUM variables: each replica sums its own micro-batch gradients with no
+communication, the update step all-reduces the accumulated sum once, and a
+checkpoint (or `tfscale.callbacks.BackupAndRestore`) saves the cross-replica sum
+and restores sum/num_replicas per replica, which all-reduces to the same total.
+
+`tfscale.strategies.get("mirrored" | "multi_worker")` applies it; users who build
+those strategies by hand call `tfscale.compat.apply_optimizer_fixes()` once.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfscale.compat.keras_multi_worker import _version_tuple
+
+__all__ = ["apply", "is_applied", "needed"]
+
+# First Keras release whose TF optimizer clips after the all-reduce and accumulates
+# without merge_call; None while upstream is unfixed.
+_FIXED_IN = None
+_ACCUMULATOR = "gradient_accumulator"
+_state = {"applied": False, "originals": {}}
+
+
+def needed(version=None):
+    """True when this Keras version all-reduces after clipping and accumulates with merge_call."""
+    version = _version_tuple(version or keras.__version__)
+    if version < (3,):
+        return False
+    return _FIXED_IN is None or version < _version_tuple(_FIXED_IN)
+
+
+def is_applied():
+    """True once `apply()` has patched this process's Keras optimizers."""
+    return _state["applied"]
+
+
+def _modules():
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+
+    return tf_optimizer, base_optimizer, loss_scale_optimizer
+
+
+def _data_parallel(strategy):
+    return isinstance(
+        strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+    ) and (strategy.num_replicas_in_sync > 1)
+
+
+def _active():
+    """True in a replica context of a multi-replica Mirrored/MWMS step being traced."""
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return False
+    return _data_parallel(tf.distribute.get_strategy()) and not tf.executing_eagerly()
+
+
+def _collective_ops(strategy):
+    extended = strategy.extended
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return extended._cross_device_ops
+    return extended._collective_ops  # MirroredStrategy keeps CollectiveAllReduce here.
+
+
+def _launch(strategy, values, options):
+    replica_id = tf.distribute.get_replica_context()._replica_id
+    return _collective_ops(strategy)._all_reduce(tf.distribute.ReduceOp.SUM, values, replica_id, options)
+
+
+def all_reduce_sum(grads):
+    """SUM-all-reduces `grads` (no None) across replicas with the strategy's options."""
+    from tfscale.strategies import _communication
+
+    strategy = tf.distribute.get_strategy()
+    communication = _communication.of(strategy)
+    options = strategy.extended._communication_options.merge(communication.options())
+    wire = communication.compression_dtype
+    grads = list(grads)
+    dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+    if wire is None or not dense:
+        return _launch(strategy, grads, options)
+    # Sparse (IndexedSlices) gradients are all-gathered, not summed: sent as they are.
+    sparse = [i for i in range(len(grads)) if i not in dense]
+    dense_grads = [grads[i] for i in dense]
+    compressed = _launch(strategy, [tf.cast(g, wire) for g in dense_grads], options)
+    # Every replica receives the same reduced values, so every replica takes the same
+    # branch: an fp16 overflow (inf) redoes this step's all-reduce uncompressed
+    # instead of writing inf into the weights.
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(c)) for c in compressed])
+    dense_reduced = tf.cond(
+        finite,
+        lambda: [tf.cast(c, g.dtype) for c, g in zip(compressed, dense_grads)],
+        lambda: _launch(strategy, dense_grads, options),
+    )
+    reduced = dict(zip(dense, dense_reduced))
+    if sparse:
+        reduced.update(zip(sparse, _launch(strategy, [grads[i] for i in sparse], options)))
+    return [reduced[i] for i in range(len(grads))]
+
+
+def _reduce(optimizer, grads):
+    if getattr(optimizer, "_tfscale_grads_reduced", False):
+        return list(grads)  # LossScaleOptimizer all-reduced them to decide "finite?".
+    return all_reduce_sum(grads)
+
+
+def _local_update(optimizer, grads, variables):
+    """Clip, weight decay and update_step on this replica's copies (grads already summed)."""
+    _, base_optimizer, _ = _modules()
+    grads = optimizer._clip_gradients(grads)
+    base_optimizer.BaseOptimizer._apply_weight_decay(optimizer, variables)
+    for grad, variable in zip(grads, variables):
+        optimizer.update_step(grad, variable, optimizer.learning_rate)
+
+
+def _apply_accumulating(optimizer, grads, variables):
+    steps = optimizer.gradient_accumulation_steps
+    accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
+    is_update_step = (optimizer._iterations + 1) % steps == 0
+
+    def update():
+        # The only communication of the k micro-steps: the local sums, all-reduced once.
+        totals = _reduce(optimizer, [g + tf.cast(a.value, g.dtype) for g, a in zip(grads, accumulators)])
+        _local_update(optimizer, [t / steps for t in totals], variables)
+        for a in accumulators:
+            a.assign(tf.zeros(a.shape, a.dtype))
+
+    def accumulate():
+        for g, a in zip(grads, accumulators):
+            a.assign(a.value + tf.cast(g, a.dtype))
+
+    tf.cond(is_update_step, update, accumulate)
+
+
+def _overwrite_with_average(optimizer):
+    for var, average in zip(optimizer._trainable_variables, optimizer._model_variables_moving_average):
+        if average is not None:
+            var.assign(average)
+
+
+def _make_backend_apply_gradients(original):
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        if not _active():
+            return original(self, grads, trainable_variables)
+        if self.gradient_accumulation_steps:
+            _apply_accumulating(self, list(grads), list(trainable_variables))
+        else:
+            _local_update(self, _reduce(self, grads), list(trainable_variables))
+        if self.use_ema:
+            self._update_model_variables_moving_average(self._trainable_variables)
+            if self.ema_overwrite_frequency:
+                overwrite = (self.iterations + 1) % self.ema_overwrite_frequency == 0
+                tf.cond(overwrite, lambda: _overwrite_with_average(self), lambda: None)
+
+    return _backend_apply_gradients
+
+
+def _make_add_variable_from_reference(original):
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        if name != _ACCUMULATOR or not _data_parallel(self._distribution_strategy):
+            return original(self, reference_variable, name=name, initializer=initializer)
+        # ON_READ/SUM: replica-local sums, saved as their cross-replica total.
+        colocate = (
+            reference_variable.value if isinstance(reference_variable, keras.Variable) else reference_variable
+        )
+        with self._distribution_strategy.extended.colocate_vars_with(colocate):
+            with keras.name_scope(self.name, caller=self):
+                variable = keras.Variable(
+                    initializer=keras.initializers.get(initializer),
+                    shape=reference_variable.shape,
+                    dtype=reference_variable.dtype,
+                    trainable=False,
+                    aggregation="sum",
+                    synchronization="on_read",
+                    name=f"{reference_variable.path.replace('/', '_')}_{name}",
+                )
+        self._track_variable(variable)
+        return variable
+
+    return add_variable_from_reference
+
+
+def _make_loss_scale_tf_apply(original):
+    def _tf_apply(self, grads, trainable_variables=None):
+        if not _active():
+            return original(self, grads, trainable_variables)
+        strategy = tf.distribute.get_strategy()
+        accumulating = bool(self.inner_optimizer.gradient_accumulation_steps)
+        if accumulating:
+            # "Finite?" must be one decision for all replicas; micro-steps share no
+            # gradients, so the replicas' non-finite counts are summed instead (one
+            # 4-byte launch per micro-step, only under loss scaling).
+            bad = tf.add_n([tf.reduce_sum(tf.cast(~tf.math.is_finite(g), tf.float32)) for g in grads])
+            finite = tf.equal(_launch(strategy, [bad], strategy.extended._communication_options)[0], 0.0)
+        else:
+            grads = all_reduce_sum(list(grads))
+            finite = self.check_finite(grads)  # Same reduced values, same decision everywhere.
+
+        def cross_replica(distribution, grads, finite):
+            def apply_finite():
+                # The inner optimizer's `iterations` update needs merge_call, which only
+                # works in a cond taken in cross-replica context (as stock Keras does).
+                self.inner_optimizer._tfscale_grads_reduced = not accumulating
+                try:
+                    distribution.extended.call_for_each_replica(
+                        self._stateful_handle_finite_grads, args=(grads, trainable_variables)
+                    )
+                finally:
+                    self.inner_optimizer._tfscale_grads_reduced = False
+
+            first = distribution.experimental_local_results(finite)[0]
+            tf.cond(first, apply_finite, self._stateful_handle_non_finite_grads)
+
+        tf.distribute.get_replica_context().merge_call(cross_replica, args=(grads, finite))
+
+    return _tf_apply
+
+
+def apply():
+    """Patches Keras 3's TF optimizers for one-device semantics under data parallelism.
+
+    Idempotent. Does nothing where upstream is fixed.
+
+    Returns:
+        True if the fix is in effect after the call, False if not needed.
+    """
+    if _state["applied"]:
+        return True
+    if not needed():
+        return False
+    tf_optimizer, _, loss_scale_optimizer = _modules()
+    cls, lso = tf_optimizer.TFOptimizer, loss_scale_optimizer.LossScaleOptimizer
+    originals = {
+        (cls, "_backend_apply_gradients"): cls._backend_apply_gradients,
+        (cls, "add_variable_from_reference"): cls.add_variable_from_reference,
+        (lso, "_tf_apply"): lso._tf_apply,
+    }
+    cls._backend_apply_gradients = _make_backend_apply_gradients(cls._backend_apply_gradients)
+    cls.add_variable_from_reference = _make_add_variable_from_reference(cls.add_variable_from_reference)
+    lso._tf_apply = _make_loss_scale_tf_apply(lso._tf_apply)
+    _state["originals"] = originals
+    _state["applied"] = True
+    return True
+
+
+def _unapply():
+    """Restores stock Keras (tests compare against it)."""
+    for (owner, name), original in _state["originals"].items():
+        setattr(owner, name, original)
+    _state["applied"] = False

@@ -315,7 +315,12 @@ def odd_mlp():
 @pytest.mark.parametrize(
     ("build", "options", "error", "message"),
     [
-        (odd_mlp, {"tensor_parallel": 4}, ModelSplitError, r"layer 'odd'.*is 30, not divisible by 4"),
+        (
+            odd_mlp,
+            {"tensor_parallel": 4, "tensor_layers": ["odd"]},
+            ModelSplitError,
+            r"layer 'odd' \(Dense\) 4 ways: its `units` is 30, not divisible by 4\. Expected it left out",
+        ),
         (
             encoder_graph,
             {"tensor_parallel": 2, "tensor_layers": ["norm_0a"]},
@@ -345,7 +350,9 @@ def test_too_few_layers_for_the_devices_is_refused():
 
 def test_split_layer_options_without_split_form_are_refused():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, kernel_regularizer="l2", name="reg")])
-    with pytest.raises(ModelSplitError, match=r"layer 'reg' \(Dense\): option `kernel_regularizer="):
+    with pytest.raises(ModelSplitError, match=r"layer 'reg' \(Dense\) 2 ways: option `kernel_regularizer="):
+        ModelSplitStrategy(tensor_parallel=2, tensor_layers=["reg"]).split(model)
+    with pytest.raises(ModelSplitError, match=r"no layer to tensor-split 2 ways.*'reg': option `kernel_reg"):
         ModelSplitStrategy(tensor_parallel=2).split(model)
 
 

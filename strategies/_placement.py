@@ -86,8 +86,8 @@ _BASE_KEYS = ("name", "trainable", "dtype")
 def clone_layer(layer):
     """A new, unbuilt layer with `layer`'s class and config, made as Keras loads a model.
 
-    The layer's class and activation function are in scope, as `custom_objects` are for `keras.models.load_model`. A
-    layer whose `__init__` takes no `**kwargs` (so not Keras's base `name` / `trainable` /
+    The layer's class and activation function are in scope, as `custom_objects` are for
+    `keras.models.load_model`. A layer whose `__init__` takes no `**kwargs` (so not Keras's base `name` / `trainable` /
     `dtype`) is made from the rest of its config and given those three afterwards.
 
     Raises:
@@ -98,7 +98,7 @@ def clone_layer(layer):
         with keras.saving.custom_object_scope(_custom_objects(layer)):
             # `get_config` of an __init__ without **kwargs may lack the name: keep it.
             return tolerant_from_config(cls, {**config, "name": layer.name})
-    except Exception as error:  # noqa: BLE001 -- any failure of the user's code is reported as one line.
+    except Exception as error:  # Any failure of the user's code is reported as one line.
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise StrategyError(
             f"Cannot copy layer {layer.name!r} ({cls.__name__}): {cls.__name__}.from_config("

@@ -88,7 +88,8 @@ def clone_layer(layer):
 
     The layer's class and activation function are in scope, as `custom_objects` are for
     `keras.models.load_model`. A layer whose `__init__` takes no `**kwargs` (so not
-    Keras's base `name` / `trainable` / `dtype`) is made from the rest of its config and given those three afterwards.
+    Keras's base `name` / `trainable` / `dtype`) is made from the rest of its config and
+    given those three afterwards.
 
     Raises:
         StrategyError: `from_config(get_config())` fails; names the layer and the fix.

@@ -71,8 +71,10 @@ def clone_chain(layers, counts, devices, inputs):
     placement = part_of_each_layer(counts, devices)
     copies, x = [], inputs
     for layer, device in zip(layers, placement):
-        copy = clone_layer(layer)
+        # Made under the device too: Keras builds nested layers of a config (Bidirectional's
+        # LSTMs) as it deserializes them, before the copy is ever called.
         with tf.device(device):
+            copy = clone_layer(layer)
             x = copy(x)
         copy_state(layer, copy)
         copies.append(copy)

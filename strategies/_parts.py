@@ -20,6 +20,11 @@ class Origin:
         self.cls = type(model)
         self.config = model.get_config()
         self.custom_objects = {type(layer).__name__: TolerantClass(type(layer)) for layer in model.layers}
+        # Custom activation functions, found again without being registered.
+        for layer in model.layers:
+            activation = getattr(layer, "activation", None)
+            if callable(activation) and hasattr(activation, "__name__"):
+                self.custom_objects.setdefault(activation.__name__, activation)
         self.names = [layer.name for layer in model.layers]
 
 

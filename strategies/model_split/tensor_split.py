@@ -184,7 +184,9 @@ def _split_form(layer, devices, role):
     config = layer.get_config()
     common = {"name": layer.name, "dtype": layer.dtype_policy}
     if isinstance(layer, keras.layers.Dense):
-        dense = {k: config[k] for k in ("activation", "use_bias", "kernel_initializer", "bias_initializer")}
+        dense = {k: config[k] for k in ("use_bias", "kernel_initializer", "bias_initializer")}
+        # The function itself: a custom one need not be registered to be found again.
+        dense["activation"] = layer.activation
         if role == "row":
             return RowParallelDense(config["units"], devices, input_is_parallel=True, **dense, **common)
         return ColumnParallelDense(

@@ -8,7 +8,7 @@ parameters live (`report`) and give back the unsplit model with the trained weig
 import keras
 import tensorflow as tf
 
-from tfscale.strategies._placement import device_of
+from tfscale.strategies._placement import TolerantClass, copy_state, device_of
 
 __all__ = ["Origin", "merge", "report"]
 
@@ -19,21 +19,34 @@ class Origin:
     def __init__(self, model):
         self.cls = type(model)
         self.config = model.get_config()
-        self.custom_objects = {type(layer).__name__: type(layer) for layer in model.layers}
+        self.custom_objects = {type(layer).__name__: TolerantClass(type(layer)) for layer in model.layers}
+        # Custom activation functions, found again without being registered.
+        for layer in model.layers:
+            activation = getattr(layer, "activation", None)
+            if callable(activation) and hasattr(activation, "__name__"):
+                self.custom_objects.setdefault(activation.__name__, activation)
+        self.names = [layer.name for layer in model.layers]
 
 
 def merge(origin, split_model):
     """A new model of `origin`'s architecture holding `split_model`'s weights, by layer name.
 
-    A split layer with `full_weights()` (tensor split) gives its unsplit weights.
+    A split layer with `full_weights()` (tensor split) gives its unsplit weights; any
+    other gives all its state (`copy_state`: weights and seed-generator states).
     """
     with keras.saving.custom_object_scope(origin.custom_objects):
         merged = origin.cls.from_config(origin.config)
+    for layer, name in zip(merged.layers, origin.names):
+        # A config without the name (an __init__ without **kwargs) gave a fresh one.
+        layer.name = name
     for layer in merged.layers:
-        if not layer.weights:
+        if not layer.variables:
             continue
         part = split_model.get_layer(layer.name)
-        layer.set_weights(part.full_weights() if hasattr(part, "full_weights") else part.get_weights())
+        if hasattr(part, "full_weights"):
+            layer.set_weights(part.full_weights())
+        else:
+            copy_state(part, layer)
     return merged
 
 

@@ -1,19 +1,26 @@
 """Placement shared by the pipeline and model split: layers, gradients and slots on devices.
 
 - `clone_chain`: the one way a chain of layers is copied onto devices (each copy's
-  variables created under its part's device, the weights copied);
+  variables created under its part's device, its state copied); `clone_layer` and
+  `copy_state` are its two halves, also used by tensor split for the layers it keeps whole;
 - `on_device`: a computation whose backward runs on the same device as its forward;
 - `place_slots_with_variables`: optimizer slots created beside their variables (an upstream
   gap, worked around in `tfscale.compat.keras_optimizer_slots`).
 """
 
+import inspect
+
+import keras
 import tensorflow as tf
 
 from tfscale.compat.keras_optimizer_slots import place_slots_with_variables
 from tfscale.strategies._devices import device_key
+from tfscale.strategies._errors import StrategyError
 
 __all__ = [
     "clone_chain",
+    "clone_layer",
+    "copy_state",
     "device_of",
     "model_input",
     "on_device",
@@ -43,9 +50,10 @@ def part_of_each_layer(counts, parts):
 def clone_chain(layers, counts, devices, inputs):
     """Copies a chain of layers onto devices, `counts[i]` consecutive layers on `devices[i]`.
 
-    Each copy (same class and config, so the same name and weights layout) is called on the
-    previous copy's output under its device, which creates its variables there; then the
-    original's weights are copied in.
+    Each copy (`clone_layer`: same class and config, so the same name and weights layout)
+    is called on the previous copy's symbolic output under its device, which builds it (and
+    any sub-layers made in `__init__`) there, as running the layer does; then the
+    original's state is copied in (`copy_state`: weights and seed-generator states).
 
     Args:
         layers: the chain, e.g. from `_partition.chain_layers(model)`.
@@ -56,16 +64,119 @@ def clone_chain(layers, counts, devices, inputs):
     Returns:
         (copies, placement, outputs): the copied layers, each one's device, and the symbolic
         output of the last copy.
+
+    Raises:
+        StrategyError: a layer that cannot be copied (names it and what it must provide).
     """
     placement = part_of_each_layer(counts, devices)
     copies, x = [], inputs
     for layer, device in zip(layers, placement):
-        copy = type(layer).from_config(layer.get_config())
+        # Made under the device too: Keras builds nested layers of a config (Bidirectional's
+        # LSTMs) as it deserializes them, before the copy is ever called.
         with tf.device(device):
+            copy = clone_layer(layer)
             x = copy(x)
-        copy.set_weights(layer.get_weights())
+        copy_state(layer, copy)
         copies.append(copy)
     return copies, placement, x
+
+
+# What `keras.layers.Layer.get_config` adds to every layer's config (`Layer(**kwargs)`).
+_BASE_KEYS = ("name", "trainable", "dtype")
+
+
+def clone_layer(layer):
+    """A new, unbuilt layer with `layer`'s class and config, made as Keras loads a model.
+
+    The layer's class and activation function are in scope, as `custom_objects` are for
+    `keras.models.load_model`. A layer whose `__init__` takes no `**kwargs` (so not
+    Keras's base `name` / `trainable` / `dtype`) is made from the rest of its config and
+    given those three afterwards.
+
+    Raises:
+        StrategyError: `from_config(get_config())` fails; names the layer and the fix.
+    """
+    cls, config = type(layer), layer.get_config()
+    try:
+        with keras.saving.custom_object_scope(_custom_objects(layer)):
+            # `get_config` of an __init__ without **kwargs may lack the name: keep it.
+            return tolerant_from_config(cls, {**config, "name": layer.name})
+    except Exception as error:  # Any failure of the user's code is reported as one line.
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise StrategyError(
+            f"Cannot copy layer {layer.name!r} ({cls.__name__}): {cls.__name__}.from_config("
+            f"layer.get_config()) failed ({type(error).__name__}: {first}). Expected get_config() "
+            "to return every __init__ argument, and from_config() to rebuild any object argument "
+            "(layers, initializers) from its config."
+        ) from error
+
+
+def _custom_objects(layer):
+    objects = {type(layer).__name__: type(layer)}
+    activation = getattr(layer, "activation", None)
+    if callable(activation) and hasattr(activation, "__name__"):
+        objects[activation.__name__] = activation
+    return objects
+
+
+def _takes_only_own_arguments(cls, config):
+    """Whether `cls.__init__` rejects base keys present in `config` (no `**kwargs`)."""
+    if cls.from_config.__func__ is not keras.layers.Layer.from_config.__func__:
+        return False  # The user's own from_config: its failure is theirs to fix.
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return False
+    names = {p.name for p in parameters}
+    return any(key in config and key not in names for key in _BASE_KEYS)
+
+
+def tolerant_from_config(cls, config):
+    """`cls.from_config(config)`, or, for an `__init__` without `**kwargs`, `cls(**own)`
+    with Keras's base arguments (`name`, `trainable`, `dtype`) set afterwards."""
+    try:
+        return cls.from_config(config)
+    except TypeError:
+        if not _takes_only_own_arguments(cls, config):
+            raise
+    names = set(inspect.signature(cls.__init__).parameters)
+    copy = cls(**{k: v for k, v in config.items() if k not in _BASE_KEYS or k in names})
+    # Set before the copy is built: variable paths and weights files use the name.
+    if "name" in config:
+        copy.name = config["name"]
+    copy.trainable = config.get("trainable", True)
+    if "dtype" in config:
+        copy.dtype_policy = config["dtype"]
+    return copy
+
+
+class TolerantClass:
+    """Stands for a layer class in `custom_objects`: Keras's deserialization calls its
+    `from_config`, which is `tolerant_from_config` (for `__init__`s without `**kwargs`)."""
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    def from_config(self, config):
+        return tolerant_from_config(self.cls, config)
+
+
+def copy_state(source, target):
+    """Copies all of `source`'s variables into `target` (a copy of it): weights, and the
+    seed-generator states (so a copied Dropout draws the same masks as the original).
+
+    Raises:
+        StrategyError: the two layers' variables differ in number or shape.
+    """
+    pairs = list(zip(source.variables, target.variables))
+    if len(source.variables) != len(target.variables) or any(a.shape != b.shape for a, b in pairs):
+        raise StrategyError(
+            f"Cannot copy layer {source.name!r} ({type(source).__name__}): the copy has variables "
+            f"{[tuple(v.shape) for v in target.variables]}, the original "
+            f"{[tuple(v.shape) for v in source.variables]}. Expected the layer to create the "
+            "same variables whenever it is built from its config and run on the same input."
+        )
+    for a, b in pairs:
+        b.assign(a.value)
 
 
 def on_device(device, fn, *inputs):

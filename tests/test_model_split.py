@@ -315,7 +315,12 @@ def odd_mlp():
 @pytest.mark.parametrize(
     ("build", "options", "error", "message"),
     [
-        (odd_mlp, {"tensor_parallel": 4}, ModelSplitError, r"layer 'odd'.*is 30, not divisible by 4"),
+        (
+            odd_mlp,
+            {"tensor_parallel": 4, "tensor_layers": ["odd"]},
+            ModelSplitError,
+            r"layer 'odd' \(Dense\) 4 ways: its `units` is 30, not divisible by 4\. Expected it left out",
+        ),
         (
             encoder_graph,
             {"tensor_parallel": 2, "tensor_layers": ["norm_0a"]},
@@ -345,7 +350,9 @@ def test_too_few_layers_for_the_devices_is_refused():
 
 def test_split_layer_options_without_split_form_are_refused():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, kernel_regularizer="l2", name="reg")])
-    with pytest.raises(ModelSplitError, match=r"layer 'reg' \(Dense\): option `kernel_regularizer="):
+    with pytest.raises(ModelSplitError, match=r"layer 'reg' \(Dense\) 2 ways: option `kernel_regularizer="):
+        ModelSplitStrategy(tensor_parallel=2, tensor_layers=["reg"]).split(model)
+    with pytest.raises(ModelSplitError, match=r"no layer to tensor-split 2 ways.*'reg': option `kernel_reg"):
         ModelSplitStrategy(tensor_parallel=2).split(model)
 
 
@@ -427,3 +434,106 @@ def test_balance_reaches_the_partitioner(method, where, monkeypatch):
         strategy = ModelSplitStrategy(num_devices=2, balance=method)
         strategy.split(model, sample_input=x)
     assert [len(part["layers"]) for part in strategy.placement] == expected
+
+
+def centred(x):
+    """A custom activation that mixes the units (not elementwise)."""
+    return x - keras.ops.mean(x, axis=-1, keepdims=True)
+
+
+def softmax_classifier():
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation=centred, name="mixer"),
+            keras.layers.Dense(4, activation="softmax", name="probs"),
+            keras.layers.Dense(1, name="score"),
+        ],
+        name="classifier",
+    )
+
+
+def test_tensor_split_of_a_softmax_classifier_is_exact_and_reported():
+    keras.utils.set_random_seed(5)
+    model = softmax_classifier()
+    x = np.random.RandomState(0).randn(8, 6).astype("float32")
+    strategy = ModelSplitStrategy(tensor_parallel=2)
+    split = strategy.split(model)
+    np.testing.assert_allclose(split(x), model(x), atol=1e-6)
+    probs = keras.Model(split.inputs, split.get_layer("probs").output)(x)
+    np.testing.assert_allclose(np.sum(probs, axis=-1), 1.0, atol=1e-6)
+    first, second = strategy.report(split)
+    assert first["split_layers"] == second["split_layers"] == ["mixer", "probs"]
+    assert first["whole_layers"] == {"score": "its `units` is 1, not divisible by 2"}
+    assert second["whole_layers"] == {}
+    np.testing.assert_allclose(strategy.merge(split)(x), model(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "log_softmax", centred])
+def test_column_layer_gathers_before_an_activation_that_mixes_units(activation):
+    x = np.random.RandomState(1).randn(4, 6).astype("float32")
+    dense = keras.layers.Dense(4, activation=activation)
+    dense.build((None, 6))
+    column = ColumnParallelDense(4, DEVICES[:2], activation=activation)
+    column.build((None, 6))
+    column.set_full_weights(dense.get_weights())
+    np.testing.assert_allclose(column(x), dense(x), atol=1e-6)
+    with pytest.raises(ModelSplitError, match=r"without gathering: its activation '\w+' is not elementwise"):
+        ColumnParallelDense(4, DEVICES[:2], activation=activation, gather_output=False)
+
+
+class NoKwargs(keras.layers.Layer):
+    """The common custom-layer style: no **kwargs, sub-layers made in __init__, no build()."""
+
+    def __init__(self, units, rate):
+        super().__init__()
+        self.dense = keras.layers.Dense(units, activation="relu")
+        self.dropout = keras.layers.Dropout(rate)
+
+    def call(self, x, training=None):
+        return self.dropout(self.dense(x), training=training)
+
+
+def test_layer_split_of_custom_layers_with_dropout_is_bitwise_the_users_model():
+    keras.utils.set_random_seed(9)
+    build = lambda: keras.Sequential(  # noqa: E731 -- the same model twice
+        [
+            keras.Input((8,)),
+            NoKwargs(16, 0.5),
+            keras.layers.Dropout(0.3),
+            NoKwargs(8, 0.5),
+            keras.layers.Dense(2),
+        ]
+    )
+    model = build()
+    split = ModelSplitStrategy(num_devices=2).split(model)
+    x, y = data("mlp")[0][:32, :8], data("mlp")[1][:32, :2]
+    for m in (model, split):
+        m.compile(optimizer="sgd", loss="mse")
+    expected = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
+    assert split.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"] == expected
+
+
+class TakesALayer(keras.layers.Layer):
+    """A layer whose config cannot rebuild it: `inner` is an object it never serialises."""
+
+    def __init__(self, inner, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = inner
+
+    def call(self, x):
+        return self.inner(x)
+
+    def get_config(self):
+        return super().get_config()
+
+
+def test_a_layer_that_cannot_be_copied_is_named_with_the_fix():
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(4), TakesALayer(keras.layers.Dense(2), name="odd")]
+    )
+    with pytest.raises(
+        StrategyError, match=r"^Cannot copy layer 'odd' \(TakesALayer\): .*Expected get_config\(\)"
+    ) as e:
+        ModelSplitStrategy(num_devices=2).split(model)
+    assert "\n" not in str(e.value)

@@ -440,3 +440,45 @@ def _train_graph(stages):
         return step.run_batch(stages, "1f1b", xs, lambda i, y: tf.reduce_sum(y))[2]
 
     return batch.get_concrete_function(tf.TensorSpec((4, 8), tf.float32)).graph
+
+
+class _NormBlock(keras.layers.Layer):
+    """A custom layer holding a BatchNormalization (found and deferred too)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.BatchNormalization(momentum=0.9)
+
+    def call(self, x, training=None):
+        return self.norm(x, training=training)
+
+
+def _normalised_mlp(nested):
+    keras.utils.set_random_seed(4)
+    first = _NormBlock() if nested else keras.layers.BatchNormalization(momentum=0.9)
+    return keras.Sequential(
+        [keras.Input((6,)), first, keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+    )
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_deferred_batch_norm_moving_statistics_equal_the_unsplit_models(schedule, nested):
+    # BatchNorm first: its input is the data, so its statistics do not depend on the
+    # weights (which per-micro-batch normalisation trains slightly differently).
+    rng = np.random.RandomState(0)
+    x, y = (rng.randn(64, 6) * 3 + 2).astype("float32"), rng.randn(64, 1).astype("float32")
+
+    def moving_statistics(model):
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0)  # 16 steps
+        layer = getattr(model, "unsplit_model", model).layers[0]
+        return [np.asarray(v) for v in layer.weights[2:]]  # moving mean and variance
+
+    expected = moving_statistics(_normalised_mlp(nested))
+    options = {"num_stages": 2, "num_microbatches": 4, "schedule": schedule}
+    deferred = moving_statistics(PipelineStrategy(**options).split(_normalised_mlp(nested)))
+    for got, want in zip(deferred, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    per_microbatch = PipelineStrategy(**options, deferred_batch_norm=False).split(_normalised_mlp(nested))
+    assert np.max(np.abs(moving_statistics(per_microbatch)[1] - expected[1])) > 0.1

@@ -29,11 +29,36 @@ __all__ = [
     "ModelSplitError",
     "RowParallelDense",
     "VocabParallelEmbedding",
+    "is_elementwise",
 ]
 
 
 class ModelSplitError(StrategyError):
     """A layer that cannot be split as asked (names the layer, the value and what fits)."""
+
+
+def _activations(*names):
+    # getattr: some of these appeared in later Keras 3 releases.
+    return {getattr(keras.activations, n) for n in names if hasattr(keras.activations, n)}
+
+
+# Activations applied to each number on its own, so applying them to a slice of the units
+# gives that slice of the full result. Softmax, log_softmax, glu and any custom callable
+# mix the units and are not here: a split layer gathers before applying them.
+_ELEMENTWISE = _activations(
+    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "gelu", "silu", "swish",
+    "mish", "tanh", "sigmoid", "hard_sigmoid", "hard_silu", "hard_swish", "hard_tanh",
+    "softplus", "softsign", "exponential", "log_sigmoid", "sparse_plus", "squareplus",
+    "hard_shrink", "soft_shrink", "tanh_shrink",
+)  # fmt: skip
+
+
+def is_elementwise(activation):
+    """Whether `activation` (a name or callable) acts on each unit alone (split-safe)."""
+    try:
+        return keras.activations.get(activation) in _ELEMENTWISE
+    except (TypeError, ValueError):
+        return False
 
 
 class _Sharded(keras.layers.Layer):
@@ -83,6 +108,10 @@ class _Sharded(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "devices": list(self.devices)}
+
+
+def _activation_name(activation):
+    return getattr(activation, "__name__", type(activation).__name__)
 
 
 def _constant(value, shape=None, dtype=None):
@@ -153,7 +182,9 @@ class ColumnParallelDense(_DenseLike):
     """A Dense layer whose output units are split over K devices.
 
     Device i holds `kernel[:, i*u/K:(i+1)*u/K]` and the matching bias slice, and computes
-    those output units (activation included, as it is elementwise).
+    those output units. An elementwise activation (relu, gelu, ...) is applied on each
+    device; any other (softmax, log_softmax, a custom callable) mixes the units, so it is
+    applied once to the gathered output, never per shard.
 
     Args:
         units: output units of the whole layer (divisible by `len(devices)`).
@@ -161,8 +192,13 @@ class ColumnParallelDense(_DenseLike):
         activation, use_bias, kernel_initializer, bias_initializer: as `keras.layers.Dense`.
         gather_output: True returns the full output (the shards concatenated on the calling
             device); False returns the list of K shards for a `RowParallelDense` with
-            `input_is_parallel=True` (Megatron's pairing: no gather between the two).
+            `input_is_parallel=True` (Megatron's pairing: no gather between the two; needs
+            an elementwise activation).
         **kwargs: base `keras.layers.Layer` arguments (`name`, `dtype`, ...).
+
+    Raises:
+        ModelSplitError: `units` not divisible by K, or `gather_output=False` with an
+            activation that is not elementwise.
 
     Example:
 
@@ -178,6 +214,13 @@ class ColumnParallelDense(_DenseLike):
         super().__init__(units, devices, **kwargs)
         self.gather_output = gather_output
         self._check_divisible(self.units, "`units`")
+        self._per_shard_activation = is_elementwise(self.activation)
+        if not gather_output and not self._per_shard_activation:
+            raise ModelSplitError(
+                f"Cannot split layer {self.name!r} column-wise without gathering: its activation "
+                f"{_activation_name(self.activation)!r} is not elementwise, so applying it per "
+                "shard would be wrong. Expected gather_output=True or an elementwise activation."
+            )
 
     def build(self, input_shape):
         full = (input_shape[-1], self.units)
@@ -190,11 +233,15 @@ class ColumnParallelDense(_DenseLike):
             on_device(device, functools.partial(self._shard, i), inputs)
             for i, device in enumerate(self.devices)
         ]
-        return ops.concatenate(shards, axis=-1) if self.gather_output else shards
+        if not self.gather_output:
+            return shards
+        y = ops.concatenate(shards, axis=-1)
+        return y if self._per_shard_activation else self.activation(y)
 
     def _shard(self, i, x):
         y = ops.matmul(x, self.kernel[i])
-        return self.activation(ops.add(y, self.bias[i]) if self.use_bias else y)
+        y = ops.add(y, self.bias[i]) if self.use_bias else y
+        return self.activation(y) if self._per_shard_activation else y
 
     def compute_output_shape(self, input_shape):
         if self.gather_output:

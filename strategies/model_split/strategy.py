@@ -82,6 +82,7 @@ class ModelSplitStrategy:
             )
         self._balance, self._tensor_layers, self._sample_input = balance, tensor_layers, sample_input
         self._origins = weakref.WeakKeyDictionary()  # split model -> _parts.Origin
+        self._whole = weakref.WeakKeyDictionary()  # tensor split -> {layer: why not split}
         self.placement = None
 
     @property
@@ -108,11 +109,15 @@ class ModelSplitStrategy:
 
         Raises:
             BalanceError: layer split of a model that is not a chain or has too few layers.
-            ModelSplitError: unbuilt model; tensor split of an unsupported layer, or of a
-                dimension not divisible by the number of devices.
+            ModelSplitError: unbuilt model; tensor split of a layer named in
+                `tensor_layers` that cannot be split exactly (unsupported type or option,
+                dimension not divisible by the number of devices), or of a model with no
+                layer that can. Without `tensor_layers`, such layers are left whole on the
+                first device, and `report()` says why.
         """
         if self._tensor:
-            split = tensor_split(model, self._devices, self._tensor_layers)
+            split, whole = tensor_split(model, self._devices, self._tensor_layers)
+            self._whole[split] = whole
         else:
             sample = self._sample_input if sample_input is None else sample_input
             split = self._layer_split(model, sample)
@@ -152,8 +157,17 @@ class ModelSplitStrategy:
         Returns:
             A list of dicts (one per device, in order) with keys "device", "layers",
             "params", "param_bytes"; model variables only (optimizer slots not counted).
+            For a tensor split, also "split_layers" (the layers with a shard on this
+            device) and "whole_layers" ({layer name: why it was not split} for the layers
+            held whole on this device).
         """
-        return _parts.report(split_model.layers, self._devices)
+        rows = _parts.report(split_model.layers, self._devices)
+        whole = self._whole.get(split_model)
+        if whole is not None:
+            for row in rows:
+                row["split_layers"] = [name for name in row["layers"] if name not in whole]
+                row["whole_layers"] = {name: whole[name] for name in row["layers"] if name in whole}
+        return rows
 
 
 def _resolve_devices(devices, num_devices, tensor_parallel):

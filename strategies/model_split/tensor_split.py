@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 
 from tfscale.strategies._partition import graph_config, tensor_producers
+from tfscale.strategies._placement import clone_layer, copy_state
 from tfscale.strategies._placement import model_input as _model_input
 from tfscale.strategies.model_split.layers import (
     ColumnParallelDense,
@@ -11,6 +12,7 @@ from tfscale.strategies.model_split.layers import (
     ModelSplitError,
     RowParallelDense,
     VocabParallelEmbedding,
+    is_elementwise,
 )
 from tfscale.strategies.model_split.models import SplitFunctional, SplitSequential
 
@@ -56,26 +58,25 @@ def model_input(model):
     return inputs
 
 
-def clone_layer(layer):
-    """A new, unbuilt layer of the same class and config."""
-    return type(layer).from_config(layer.get_config())
-
-
 def copy_weights(source_layers, target):
-    """Copies each source layer's weights into `target`'s layer of the same name."""
+    """Copies each source layer's state into `target`'s layer of the same name.
+
+    Split layers take the unsplit weights; the others all their state (`copy_state`).
+    """
     for layer in source_layers:
-        if not layer.weights:
+        if not layer.variables:  # e.g. the InputLayer, whose copy gets a fresh name.
             continue
         new = target.get_layer(layer.name)
         if hasattr(new, "set_full_weights"):
             new.set_full_weights(layer.get_weights())
         else:
-            new.set_weights(layer.get_weights())
+            copy_state(layer, new)
 
 
-def _targets(model, tensor_layers):
+def _candidates(model, tensor_layers):
+    """The layers to consider, and whether the user forced them (`tensor_layers=`)."""
     if tensor_layers is None:
-        return [layer for layer in model.layers if type(layer) in SUPPORTED]
+        return [layer for layer in model.layers if type(layer) in SUPPORTED], False
     targets = []
     for name in tensor_layers:
         try:
@@ -91,38 +92,66 @@ def _targets(model, tensor_layers):
                 f"form. Expected one of {[cls.__name__ for cls in SUPPORTED]}."
             )
         targets.append(layer)
-    return targets
+    return targets, True
 
 
-def _check_supported(layer):
+def _why_whole(layer, k):
+    """Why `layer` cannot be split `k` ways (one sentence), or None when it can."""
     config = layer.get_config()
     for key in _MUST_BE_UNSET:
         if config.get(key) not in (None, False, 0):
-            raise ModelSplitError(
-                f"Cannot tensor-split layer {layer.name!r} ({type(layer).__name__}): option "
-                f"`{key}={config[key]!r}` has no split form. Expected it unset, or leave the "
-                "layer out of `tensor_layers`."
-            )
+            return f"option `{key}={config[key]!r}` has no split form"
     axes = config.get("attention_axes")
     if axes is not None and tuple(axes) != (1,):  # (1,) is what Keras sets for (batch, seq, features).
-        raise ModelSplitError(
-            f"Cannot tensor-split layer {layer.name!r}: `attention_axes={axes!r}`; expected None "
-            "(attention over the sequence axis of (batch, sequence, features) inputs)."
-        )
-    shape = config.get("output_shape")
-    if isinstance(layer, keras.layers.MultiHeadAttention) and not (shape is None or isinstance(shape, int)):
-        raise ModelSplitError(
-            f"Cannot tensor-split layer {layer.name!r}: `output_shape={shape!r}`; expected None or an int."
-        )
+        return f"`attention_axes={axes!r}`; only attention over the sequence axis splits"
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        shape = config.get("output_shape")
+        if not (shape is None or isinstance(shape, int)):
+            return f"`output_shape={shape!r}`; only None or an int splits"
+        sizes = {"`num_heads`": config["num_heads"], "output features": layer.weights[-1].shape[-1]}
+    elif isinstance(layer, keras.layers.Embedding):
+        sizes = {"`input_dim` (vocabulary size)": config["input_dim"]}
+    else:
+        sizes = {"`units`": config["units"]}
+    for what, size in sizes.items():
+        if size % k:
+            return f"its {what} is {size}, not divisible by {k}"
+    return None
+
+
+def _choose(model, tensor_layers, k):
+    """The layers to split, and {name: reason} for the candidates left whole.
+
+    Without `tensor_layers`, a layer that cannot be split is left whole (and said so in
+    `report()`); a layer the user named must split, or the split is refused.
+    """
+    candidates, forced = _candidates(model, tensor_layers)
+    targets, whole = [], {}
+    for layer in candidates:
+        reason = _why_whole(layer, k)
+        if reason is None:
+            targets.append(layer)
+        elif forced:
+            raise ModelSplitError(
+                f"Cannot tensor-split layer {layer.name!r} ({type(layer).__name__}) {k} ways: "
+                f"{reason}. Expected it left out of `tensor_layers`."
+            )
+        else:
+            whole[layer.name] = reason
+    return targets, whole
 
 
 def _pairs(model, targets):
-    """Column -> row pairs: Dense a whose only consumer is Dense b, b's only input being a."""
+    """Column -> row pairs: Dense a whose only consumer is Dense b, b's only input being a.
+
+    a's activation must be elementwise: its shards are activated apart, never gathered.
+    """
     dense = {layer.name for layer in targets if isinstance(layer, keras.layers.Dense)}
+    elementwise = {name for name in dense if is_elementwise(model.get_layer(name).activation)}
     links = _links(model)
     firsts, seconds = set(), set()
     for a, b in links:
-        if a in dense and b in dense and a not in seconds and a not in firsts and b not in firsts:
+        if a in elementwise and b in dense and a not in seconds and a not in firsts and b not in firsts:
             firsts.add(a)
             seconds.add(b)
     return firsts, seconds
@@ -155,7 +184,9 @@ def _split_form(layer, devices, role):
     config = layer.get_config()
     common = {"name": layer.name, "dtype": layer.dtype_policy}
     if isinstance(layer, keras.layers.Dense):
-        dense = {k: config[k] for k in ("activation", "use_bias", "kernel_initializer", "bias_initializer")}
+        dense = {k: config[k] for k in ("use_bias", "kernel_initializer", "bias_initializer")}
+        # The function itself: a custom one need not be registered to be found again.
+        dense["activation"] = layer.activation
         if role == "row":
             return RowParallelDense(config["units"], devices, input_is_parallel=True, **dense, **common)
         return ColumnParallelDense(
@@ -195,20 +226,27 @@ def _call(layer, *args, **kwargs):
 def tensor_split(model, devices, tensor_layers=None):
     """A copy of `model` with its eligible layers split over `devices`, weights preserved.
 
-    Layers not split keep their class and config and live on `devices[0]`.
+    Layers not split are copies of the user's (class, config, weights, seed states) on
+    `devices[0]`; without `tensor_layers`, that includes every Dense / Embedding /
+    MultiHeadAttention that cannot be split exactly (see `_why_whole`).
+
+    Returns:
+        (split, whole): the split model, and {layer name: why it was left whole} for the
+        layers with weights that were not split.
 
     Raises:
-        ModelSplitError: a named layer is missing or of an unsupported type, a layer uses an
-            option with no split form, or a dimension does not divide by `len(devices)`.
+        ModelSplitError: a named layer is missing, of an unsupported type, uses an option
+            with no split form or has a dimension not divisible by `len(devices)`; or no
+            layer of the model can be split.
     """
-    targets = _targets(model, tensor_layers)
+    targets, whole = _choose(model, tensor_layers, len(devices))
     if not targets:
+        reasons = "; ".join(f"{name!r}: {why}" for name, why in whole.items())
         raise ModelSplitError(
-            f"Model {model.name!r} has no layer to tensor-split: expected at least one of "
-            f"{[cls.__name__ for cls in SUPPORTED]} among its top-level layers."
+            f"Model {model.name!r} has no layer to tensor-split {len(devices)} ways: expected at "
+            f"least one of {[cls.__name__ for cls in SUPPORTED]} among its top-level layers"
+            + (f" that can be split ({reasons})." if reasons else ".")
         )
-    for layer in targets:
-        _check_supported(layer)
     firsts, seconds = _pairs(model, targets)
     roles = {
         t.name: "column" if t.name in firsts else "row" if t.name in seconds else "gather" for t in targets
@@ -227,4 +265,7 @@ def tensor_split(model, devices, tensor_layers=None):
             clone = keras.models.clone_model(model, clone_function=make, call_function=_call)
             split = SplitFunctional(clone.inputs, clone.outputs, name=f"{model.name}_split")
     copy_weights(model.layers, split)
-    return split
+    for layer in model.layers:
+        if layer.weights and layer.name not in roles:
+            whole.setdefault(layer.name, f"{type(layer).__name__} has no split form")
+    return split, whole

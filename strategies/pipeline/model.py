@@ -19,8 +19,9 @@ _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 class _Plan:
     """The stages and schedule; a plain object so Keras does not track the layers twice."""
 
-    def __init__(self, stages, schedule, num_microbatches, partition, origin):
+    def __init__(self, stages, schedule, num_microbatches, partition, origin, *, batch_norm=None):
         self.stages = stages
+        self.batch_norm = batch_norm  # a `DeferredBatchNorm`, or None: Keras's own updates
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.partition = partition
@@ -78,10 +79,12 @@ class PipelinedModel(keras.Model):
     work as for any Keras model; the weights files are those of the unsplit model.
     """
 
-    def __init__(self, unsplit_model, stages, schedule, num_microbatches, partition, *, origin=None):
+    def __init__(
+        self, unsplit_model, stages, schedule, num_microbatches, partition, *, origin=None, batch_norm=None
+    ):
         super().__init__(name=f"{unsplit_model.name}_pipelined")
         self.unsplit_model = unsplit_model
-        self._plan = _Plan(stages, schedule, num_microbatches, partition, origin)
+        self._plan = _Plan(stages, schedule, num_microbatches, partition, origin, batch_norm=batch_norm)
         self.built = True
 
     @property
@@ -164,7 +167,11 @@ class PipelinedModel(keras.Model):
             terms.append(value)
             return self.optimizer.scale_loss(value)
 
-        y_preds, _, gradients = _step.run_batch(stages, self.schedule, xs, loss_fn)
+        def run():
+            return _step.run_batch(stages, self.schedule, xs, loss_fn)
+
+        deferred = self._plan.batch_norm
+        y_preds, _, gradients = deferred.run(run, m) if deferred else run()
         regularization = self._regularization(gradients)
         variables = [v for stage in stages for v in stage.trainable_variables]
         self.optimizer.apply_gradients(zip([g for gs in gradients for g in gs], variables))

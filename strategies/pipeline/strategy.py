@@ -29,6 +29,7 @@ from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._options import positive_int, reject_unknown
 from tfscale.strategies._placement import clone_chain, model_input, variable_device
 from tfscale.strategies.pipeline import schedules
+from tfscale.strategies.pipeline.batchnorm import DeferredBatchNorm
 
 __all__ = ["PipelineStrategy"]
 
@@ -41,6 +42,7 @@ _OPTIONS = (
     "balance",
     "recompute",
     "serialize_stages",
+    "deferred_batch_norm",
 )
 
 
@@ -64,6 +66,12 @@ class PipelineStrategy:
             None (default) means True on CPU devices: logical CPU devices share one
             thread pool, and without it a stage could take every core. False lets
             TensorFlow run independent ops of one stage side by side.
+        deferred_batch_norm: move BatchNormalization's moving averages once per batch,
+            from the whole batch's statistics (combined from the M micro-batches'), so
+            they equal the unsplit model's; False moves them once per micro-batch, as
+            Keras would. Training-mode normalisation uses each micro-batch's own
+            statistics either way. Not with `recompute` (a recomputed forward would be
+            recorded twice): there it is off.
 
     Raises:
         StrategyError: an option out of range, or more stages than devices.
@@ -79,6 +87,7 @@ class PipelineStrategy:
         balance="parameters",
         recompute=False,
         serialize_stages=None,
+        deferred_batch_norm=True,
         **unknown,
     ):
         reject_unknown("pipeline", unknown, _OPTIONS)
@@ -94,6 +103,12 @@ class PipelineStrategy:
                 f"Invalid value for argument `recompute`. Received: recompute={recompute!r}. "
                 "Expected True or False."
             )
+        if not isinstance(deferred_batch_norm, bool):
+            raise StrategyError(
+                f"Invalid value for argument `deferred_batch_norm`. Received: "
+                f"deferred_batch_norm={deferred_batch_norm!r}. Expected True or False."
+            )
+        self.deferred_batch_norm = deferred_batch_norm and not recompute
         if serialize_stages not in (None, True, False):
             raise StrategyError(
                 f"Invalid value for argument `serialize_stages`. Received: "
@@ -113,7 +128,8 @@ class PipelineStrategy:
         return (
             f"PipelineStrategy(num_stages={self.num_stages}, num_microbatches={self.num_microbatches}, "
             f"schedule={self.schedule!r}, devices={self.devices}, balance={self.balance!r}, "
-            f"recompute={self.recompute}, serialize_stages={self.serialize_stages})"
+            f"recompute={self.recompute}, serialize_stages={self.serialize_stages}, "
+            f"deferred_batch_norm={self.deferred_batch_norm})"
         )
 
     def split(self, model, *, sample_input=None):
@@ -162,7 +178,16 @@ class PipelineStrategy:
         unsplit = keras.models.clone_model(model, clone_function=lambda layer: by_layer[id(layer)])
         stages = self._stages(copies, counts)
         origin = _parts.Origin(model)
-        return PipelinedModel(unsplit, stages, self.schedule, self.num_microbatches, partition, origin=origin)
+        batch_norm = DeferredBatchNorm(copies) if self.deferred_batch_norm else None
+        return PipelinedModel(
+            unsplit,
+            stages,
+            self.schedule,
+            self.num_microbatches,
+            partition,
+            origin=origin,
+            batch_norm=batch_norm,
+        )
 
     wrap = split  # The first name of `split`, kept for callers.
 

@@ -1,0 +1,96 @@
+"""Deferred batch normalisation for pipelined training (torchgpipe's `deferred_batch_norm`).
+
+In training, a BatchNormalization layer of a pipeline stage normalises each micro-batch by
+that micro-batch's own mean and variance (as in GPipe; the unsplit model uses the whole
+batch's), and Keras would also move its averages once per micro-batch: M updates per step,
+each from a 1/M-sized sample. Deferred, the M micro-batch moments are recorded, combined
+into the whole batch's (equal micro-batches: mean of means; mean of `var + mean^2`, minus
+the squared mean), and the moving averages move once per batch from their values before
+it, as the unsplit model's do.
+"""
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+__all__ = ["DeferredBatchNorm", "batch_norm_layers"]
+
+
+def batch_norm_layers(layers):
+    """Every `BatchNormalization` in `layers`, those nested in custom layers included."""
+    found, seen = [], set()
+
+    def walk(value):
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, keras.layers.BatchNormalization):
+            found.append(value)
+        elif isinstance(value, keras.layers.Layer):
+            for attribute in vars(value).values():
+                walk(attribute)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+
+    for layer in layers:
+        walk(layer)
+    return found
+
+
+class DeferredBatchNorm:
+    """Moves the moving averages of the BatchNormalization layers in `layers` once per batch.
+
+    Layers with batch renormalisation or synchronised statistics keep Keras's own updates.
+    """
+
+    def __init__(self, layers):
+        self.layers = [
+            layer for layer in batch_norm_layers(layers) if not layer.renorm and not layer.synchronized
+        ]
+
+    def run(self, fn, num_microbatches):
+        """Returns `fn()` (one batch of micro-batches), then moves the averages once."""
+        # Read now (tensors, not the variables): the micro-batches' own updates follow.
+        starts = [
+            (layer.moving_mean.value.read_value(), layer.moving_variance.value.read_value())
+            for layer in self.layers
+        ]
+        records = [[] for _ in self.layers]
+        for layer, record in zip(self.layers, records):
+            layer.call = _recording(layer, type(layer).call.__get__(layer), record)
+        try:
+            result = fn()
+        finally:
+            for layer in self.layers:
+                del layer.call  # The class's own `call` again.
+        for layer, start, record in zip(self.layers, starts, records):
+            # Fewer records: masked inputs or training=False; more: a forward ran twice.
+            if len(record) == num_microbatches:
+                _move_averages(layer, start, record)
+        return result
+
+
+def _recording(layer, call, record):
+    def recorded_call(inputs, training=None, mask=None):
+        if training and layer.trainable and mask is None:
+            x = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
+            axis = layer.axis % len(x.shape)
+            record.append(ops.moments(x, axes=[i for i in range(len(x.shape)) if i != axis]))
+        return call(inputs, training=training, mask=mask)
+
+    return recorded_call
+
+
+def _move_averages(layer, start, record):
+    with tf.device(layer.moving_mean.value.device):
+        means = ops.stack([mean for mean, _ in record])
+        variances = ops.stack([variance for _, variance in record])
+        mean = ops.mean(means, axis=0)
+        variance = ops.mean(variances + ops.square(means), axis=0) - ops.square(mean)
+        p = layer.momentum
+        layer.moving_mean.assign(start[0] * p + ops.cast(mean, start[0].dtype) * (1.0 - p))
+        layer.moving_variance.assign(start[1] * p + ops.cast(variance, start[1].dtype) * (1.0 - p))

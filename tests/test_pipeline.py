@@ -387,7 +387,9 @@ def test_a_schedule_is_one_registered_function(monkeypatch):
     pipelined = _compile(_wrap("mlp", num_stages=2, num_microbatches=2, schedule="gpipe-copy"))
     history = _fit(pipelined, x, y)
     np.testing.assert_allclose(history["loss"], expected["loss"], rtol=RTOL, atol=ATOL)
-    with pytest.raises(StrategyError, match=r"schedule='bogus'.*\['gpipe', '1f1b', 'gpipe-copy'\]"):
+    with pytest.raises(
+        StrategyError, match=r"schedule='bogus'.*\['gpipe', '1f1b', 'interleaved', 'zb-h1', 'gpipe-copy'\]"
+    ):
         tfscale.strategies.get("pipeline", schedule="bogus")
 
 

@@ -19,8 +19,9 @@ _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 class _Plan:
     """The stages and schedule; a plain object so Keras does not track the layers twice."""
 
-    def __init__(self, stages, schedule, num_microbatches, partition, origin):
+    def __init__(self, stages, schedule, num_microbatches, partition, origin, *, virtual_stages=1):
         self.stages = stages
+        self.virtual_stages = virtual_stages
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.partition = partition
@@ -78,10 +79,13 @@ class PipelinedModel(keras.Model):
     work as for any Keras model; the weights files are those of the unsplit model.
     """
 
-    def __init__(self, unsplit_model, stages, schedule, num_microbatches, partition, *, origin=None):
+    def __init__(
+        self, unsplit_model, stages, schedule, num_microbatches, partition, *, origin=None, virtual_stages=1
+    ):
         super().__init__(name=f"{unsplit_model.name}_pipelined")
         self.unsplit_model = unsplit_model
-        self._plan = _Plan(stages, schedule, num_microbatches, partition, origin)
+        plan = _Plan(stages, schedule, num_microbatches, partition, origin, virtual_stages=virtual_stages)
+        self._plan = plan
         self.built = True
 
     @property
@@ -100,6 +104,11 @@ class PipelinedModel(keras.Model):
     @property
     def num_microbatches(self):
         return self._plan.num_microbatches
+
+    @property
+    def virtual_stages(self):
+        """V: chunks of the chain per device (`stages` holds S x V of them)."""
+        return self._plan.virtual_stages
 
     def call(self, inputs, training=False):
         parts = _split_even(inputs, self.num_microbatches)
@@ -164,7 +173,7 @@ class PipelinedModel(keras.Model):
             terms.append(value)
             return self.optimizer.scale_loss(value)
 
-        y_preds, _, gradients = _step.run_batch(stages, self.schedule, xs, loss_fn)
+        y_preds, _, gradients = _step.run_batch(stages, self.schedule, xs, loss_fn, self.virtual_stages)
         regularization = self._regularization(gradients)
         variables = [v for stage in stages for v in stage.trainable_variables]
         self.optimizer.apply_gradients(zip([g for gs in gradients for g in gs], variables))

@@ -110,8 +110,10 @@ def trace_train_step(model, x, y, sample_weight=None):
 def _summarise(groups, ops, schedule, num_stages, num_microbatches, *, virtual_stages=1):
     orders = schedules.order(schedule, num_stages, num_microbatches, virtual_stages)
     expected = {s for order in orders for s in order}
-    # A stage without trainable weights (pooling, reshaping) has nothing to run in its W.
-    missing = {s for s in expected - set(groups) if s.kind != Kind.WEIGHT}
+    # With W split off, a B or W can compute nothing: no weights (pooling, reshaping) for W;
+    # a first stage of one layer for B (that layer's output gradient came from upstream).
+    split = any(op.kind == Kind.WEIGHT for op in expected)
+    missing = {s for s in expected - set(groups) if not split or s.kind == Kind.FORWARD}
     if missing:
         raise RuntimeError(f"The profiler trace lacks {len(missing)} pipeline step(s), e.g. {min(missing)}.")
     groups = {s: groups[s] for s in expected if s in groups}

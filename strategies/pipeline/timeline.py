@@ -152,7 +152,9 @@ def plot(trace, path, title=None):
     import matplotlib.patches
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 0.6 + 0.55 * trace.num_stages), dpi=90)
+    # Wide enough for each device's boxes to hold their labels (32 a device with V=2, M=8).
+    per_device = len(trace.intervals) / trace.num_stages
+    fig, ax = plt.subplots(figsize=(max(10, 0.5 * per_device), 0.6 + 0.55 * trace.num_stages), dpi=90)
     virtual = trace.virtual_stages
     for step, (start, end) in sorted(trace.intervals.items()):
         device, chunk = step.stage % trace.num_stages, step.stage // trace.num_stages

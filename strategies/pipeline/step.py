@@ -22,7 +22,8 @@ gradients of the stage input and of each layer's output; W later computes each l
 weight gradient from its output gradient (`tf.gradients(output, weights, grad_ys)`: the
 layer's own backward, e.g. `x^T dz` for a Dense layer). The weight-gradient ops the tape
 also creates in B feed nothing and are pruned by TensorFlow; they are left out of the
-serialising chain (`_needed`) so that they stay dead.
+serialising chain (`_needed`), where a control edge would make a dead op live (TF 2.21's
+Grappler drops them even then, measured: the filter keeps the split from relying on it).
 """
 
 import tensorflow as tf
@@ -105,8 +106,9 @@ class _Batch:
         )
         self.split_weights = any(op.kind == Kind.WEIGHT for order in self.orders for op in order)
         self.waits = {}
-        for stage, stage_order in zip(stages, self.orders):
-            self.waits.update(schedules.control_dependencies(stage_order, strict=stage.serial))
+        for device, device_order in enumerate(self.orders):
+            # Chunk d is device d's first; every chunk of a device has its `serial` setting.
+            self.waits.update(schedules.control_dependencies(device_order, strict=stages[device].serial))
         self.done = {}
         self.gradients = [None] * self.num_stages
         self.transposes = {}

@@ -233,6 +233,8 @@ def order(schedule, num_stages, num_microbatches, virtual_stages=1):
     Returns:
         A list of S lists of `Op`, one list per device, in execution order.
     """
+    if virtual_stages == 1:  # A schedule function written before V existed takes (S, M).
+        return SCHEDULES[schedule](num_stages, num_microbatches)
     return SCHEDULES[schedule](num_stages, num_microbatches, virtual_stages)
 
 

@@ -8,17 +8,26 @@ work, as the theory (S - 1) / (M + S - 1) assumes; with 7 hidden layers the best
   run two independent ops at once, i.e. use both cores);
 - one core: the same model as a 1-stage pipeline, its ops run one at a time;
 - naive split: the model cut into 2 stages, one batch at a time (pipeline with M=1);
-- pipeline: GPipe and 1F1B with M = 1, 2, 4, 8 micro-batches;
+- pipeline: GPipe and 1F1B with M = 1, 2, 4, 8 micro-batches; interleaved 1F1B (V = 2
+  chunks per device, the model cut into 4 chunks of 2 layers) and ZB-H1 (B and W split)
+  with M = 4, 8;
 - "free" rows: the same without `serialize_stages`, i.e. a stage may use both cores.
+
+`--set new` runs only the side-by-side comparison of the new schedules: one device, the
+naive split, and 1F1B, interleaved and ZB-H1 at M=8 (about a minute on a quiet machine).
 
 TensorFlow runs each op on one thread (`intra_op` = 1) and up to 2 ops at once (`inter_op`
 = 2); with `serialize_stages` (the default on CPU) each stage runs one op at a time, so
 each stage gets one core and overlap between stages is the only source of speed-up. The
-bubble is measured on a profiled step (`PipelinedModel.trace_step`) and compared with the
-theory (S - 1) / (M + S - 1). Prints a table, writes `bench/results/pipeline.json` and the
-Gantt charts `bench/results/pipeline_timeline_{schedule}_m{M}.png`.
+bubble is measured on a profiled step (`PipelinedModel.trace_step`, the shortest of
+`--repeats`) and compared with the schedule's theory for equal op times
+(`schedules.theoretical_bubble`: (S - 1) / (M + S - 1) for GPipe and 1F1B,
+(S - 1) / (V M + S - 1) interleaved, (S - 1) / (3 M + S - 1) ZB-H1).
+Prints a table, writes `bench/results/pipeline.json` (with the load average) and the Gantt
+charts `bench/results/pipeline_timeline_{schedule}_m{M}.png`.
 
-    python bench/bench_pipeline.py [--steps 10] [--repeats 3] [--width 512] [--layers 9] [--batch 2048]
+    python bench/bench_pipeline.py [--set full|new] [--steps 10] [--repeats 3] [--width 512]
+        [--layers 9] [--batch 2048]
 """
 
 import argparse
@@ -60,14 +69,23 @@ def _dataset(args):
     return x, y, tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch, drop_remainder=True).repeat()
 
 
-def _configs():
+def _configs(which):
     yield "one device", None, {}
+    if which == "new":
+        yield "naive split", "1f1b", {"num_microbatches": 1}
+        yield "pipeline", "1f1b", {"num_microbatches": 8}
+        yield "pipeline", "interleaved", {"num_microbatches": 8, "virtual_stages": 2}
+        yield "pipeline", "zb-h1", {"num_microbatches": 8}
+        return
     yield "one core", "1f1b", {"num_stages": 1, "num_microbatches": 1, "serialize_stages": True}
     yield "naive split free", "1f1b", {"num_microbatches": 1, "serialize_stages": False}
     yield "pipeline free", "1f1b", {"num_microbatches": 8, "serialize_stages": False}
     for schedule in ("gpipe", "1f1b"):
         for m in (1, 2, 4, 8):
             yield ("naive split" if m == 1 else "pipeline"), schedule, {"num_microbatches": m}
+    for m in (4, 8):
+        yield "pipeline", "interleaved", {"num_microbatches": m, "virtual_stages": 2}
+        yield "pipeline", "zb-h1", {"num_microbatches": m}
 
 
 def _build(name, schedule, options, args, data):
@@ -77,6 +95,7 @@ def _build(name, schedule, options, args, data):
 
     model = _model(args.width, args.layers)
     row = {"run": name, "schedule": schedule or "-", "M": options.get("num_microbatches", "-")}
+    row["V"] = options.get("virtual_stages", 1 if schedule else "-")
     if schedule is not None:
         options = {"num_stages": 2, "schedule": schedule, "balance": "parameters", **options}
         model = PipelineStrategy(**options).split(model)
@@ -105,33 +124,68 @@ def _trace(model, row, x, y, args):
 
     if row["schedule"] == "-":
         return
-    trace = model.trace_step(x[: args.batch], y[: args.batch])
-    row.update(bubble=trace.bubble, bubble_theory=trace.theoretical_bubble, live=trace.live_activations)
+    # Best of `repeats` profiled steps, as for the speed: other processes only add gaps.
+    traces = [model.trace_step(x[: args.batch], y[: args.batch]) for _ in range(args.repeats)]
+    trace = min(traces, key=lambda t: t.makespan)
+    row.update(_where_the_time_goes(trace))
+    row.update(
+        bubble=trace.bubble,
+        bubble_theory=trace.theoretical_bubble,
+        live=trace.live_activations,
+        live_bound=trace.activation_bound,
+    )
     if row["run"] in ("naive split", "pipeline"):
         plot_timeline(trace, RESULTS / f"pipeline_timeline_{row['schedule']}_m{row['M']}.png")
+
+
+def _where_the_time_goes(trace):
+    """Mean op time per kind, and the bubble the schedule would have with those op times.
+
+    The replayed bubble runs the schedule's order in `schedules.simulate` with each op
+    taking its kind's mean measured time: what is left of the measured bubble beyond it
+    is time the devices waited for other reasons (other processes, transfers, overhead).
+    """
+    from tfscale.strategies.pipeline import schedules
+
+    durations = {}
+    for op, (start, end) in trace.intervals.items():
+        durations.setdefault(schedules.Kind(op.kind), []).append(end - start)
+    costs = {kind: float(np.mean(durations.get(kind, [0.0]))) for kind in schedules.Kind}
+    v = trace.virtual_stages
+    orders = schedules.order(trace.schedule, trace.num_stages, trace.num_microbatches, v)
+    replay = schedules.simulate(orders, costs, v)
+    spans = [(op.stage % trace.num_stages, a, b) for op, (a, b) in replay.items()]
+    return {
+        "op_ms": {kind.value: round(costs[kind] * 1e3, 1) for kind in schedules.Kind if kind in durations},
+        "makespan_ms": round(trace.makespan * 1e3, 1),
+        "bubble_replayed": schedules.bubble_fraction(spans, trace.num_stages),
+    }
 
 
 def _print(rows):
     by_run = {(r["run"], r["schedule"]): r["steps_per_s"] for r in rows}
     single, naive = by_run[("one device", "-")], by_run[("naive split", "1f1b")]
     print(
-        f"{'run':<17} {'schedule':<8} {'M':>2} {'steps/s':>8} {'x one-dev':>9} {'x naive':>8} "
-        f"{'bubble':>7} {'theory':>7} live"
+        f"{'run':<17} {'schedule':<11} {'M':>2} {'V':>2} {'steps/s':>8} {'x one-dev':>9} {'x naive':>8} "
+        f"{'bubble':>7} {'theory':>7} {'replay':>7} live (bound)  mean op ms"
     )
     for row in rows:
         row["speedup_vs_one_device"] = row["steps_per_s"] / single
         row["speedup_vs_naive_split"] = row["steps_per_s"] / naive
         bubble = f"{row['bubble']:.2f}" if "bubble" in row else "-"
         theory = f"{row['bubble_theory']:.2f}" if "bubble" in row else "-"
+        replay = f"{row['bubble_replayed']:.2f}" if "bubble" in row else "-"
         print(
-            f"{row['run']:<17} {row['schedule']:<8} {row['M']!s:>2} {row['steps_per_s']:8.2f} "
-            f"{row['speedup_vs_one_device']:9.2f} {row['speedup_vs_naive_split']:8.2f} {bubble:>7} "
-            f"{theory:>7} {row.get('live', '-')}"
+            f"{row['run']:<17} {row['schedule']:<11} {row['M']!s:>2} {row['V']!s:>2} "
+            f"{row['steps_per_s']:8.2f} {row['speedup_vs_one_device']:9.2f} "
+            f"{row['speedup_vs_naive_split']:8.2f} {bubble:>7} {theory:>7} {replay:>7} "
+            f"{row.get('live', '-')} ({row.get('live_bound', '-')})  {row.get('op_ms', '-')}"
         )
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", choices=["full", "new"], default="full", dest="which")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--width", type=int, default=512)
@@ -141,7 +195,7 @@ def main(argv=None):
     _configure()
     x, y, data = _dataset(args)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    runs = [_build(name, schedule, options, args, data) for name, schedule, options in _configs()]
+    runs = [_build(name, schedule, options, args, data) for name, schedule, options in _configs(args.which)]
     _measure(runs, data, args)
     for model, row in runs:
         _trace(model, row, x, y, args)
@@ -149,7 +203,8 @@ def main(argv=None):
     print(f"load average at the end (1, 5, 15 min): {os.getloadavg()}")
     _print(rows)
     report = {"args": vars(args), "load_average": os.getloadavg(), "rows": rows}
-    (RESULTS / "pipeline.json").write_text(json.dumps(report, indent=2))
+    suffix = "" if args.which == "full" else f"_{args.which}"
+    (RESULTS / f"pipeline{suffix}.json").write_text(json.dumps(report, indent=2))
     return report
 
 

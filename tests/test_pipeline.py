@@ -27,12 +27,14 @@ RTOL, ATOL = 1e-5, 1e-6
 EPOCHS, BATCH, SAMPLES = 3, 16, 32
 
 
-def _mlp():
+def _mlp(extra=0):
+    """`extra` more Dense(10, tanh) layers make room for S x V = 8 chunks (interleaved, S=4)."""
     return keras.Sequential(
         [
             keras.Input((6,)),
             keras.layers.Dense(12, activation="relu"),
             keras.layers.Dense(10, activation="tanh"),
+            *[keras.layers.Dense(10, activation="tanh") for _ in range(extra)],
             keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
             keras.layers.Dense(3),
         ],
@@ -40,17 +42,25 @@ def _mlp():
     )
 
 
-def _cnn():
+def _cnn(extra=0):
     inputs = keras.Input((6, 6, 2))
     x = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
     x = keras.layers.Conv2D(4, 3, activation="relu")(x)
     x = keras.layers.MaxPooling2D()(x)
     x = keras.layers.Flatten()(x)
     x = keras.layers.Dense(8, activation="tanh")(x)
+    for _ in range(extra):
+        x = keras.layers.Dense(8, activation="tanh")(x)
     return keras.Model(inputs, keras.layers.Dense(3)(x), name="cnn")
 
 
-_BUILDERS = {"mlp": (_mlp, (6,)), "cnn": (_cnn, (6, 6, 2))}
+_BUILDERS = {
+    "mlp": (_mlp, (6,)),
+    "cnn": (_cnn, (6, 6, 2)),
+    # The same models with 8 layers, for 8 chunks (interleaved S=4, V=2).
+    "mlp8": (lambda: _mlp(extra=4), (6,)),
+    "cnn8": (lambda: _cnn(extra=2), (6, 6, 2)),
+}
 
 
 def _model(kind, seed=0):
@@ -387,7 +397,9 @@ def test_a_schedule_is_one_registered_function(monkeypatch):
     pipelined = _compile(_wrap("mlp", num_stages=2, num_microbatches=2, schedule="gpipe-copy"))
     history = _fit(pipelined, x, y)
     np.testing.assert_allclose(history["loss"], expected["loss"], rtol=RTOL, atol=ATOL)
-    with pytest.raises(StrategyError, match=r"schedule='bogus'.*\['gpipe', '1f1b', 'gpipe-copy'\]"):
+    with pytest.raises(
+        StrategyError, match=r"schedule='bogus'.*\['gpipe', '1f1b', 'interleaved', 'zb-h1', 'gpipe-copy'\]"
+    ):
         tfscale.strategies.get("pipeline", schedule="bogus")
 
 

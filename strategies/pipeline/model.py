@@ -19,9 +19,12 @@ _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 class _Plan:
     """The stages and schedule; a plain object so Keras does not track the layers twice."""
 
-    def __init__(self, stages, schedule, num_microbatches, partition, origin, *, batch_norm=None):
+    def __init__(
+        self, stages, schedule, num_microbatches, partition, origin, *, batch_norm=None, virtual_stages=1
+    ):
         self.stages = stages
         self.batch_norm = batch_norm  # a `DeferredBatchNorm`, or None: Keras's own updates
+        self.virtual_stages = virtual_stages
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.partition = partition
@@ -80,11 +83,28 @@ class PipelinedModel(keras.Model):
     """
 
     def __init__(
-        self, unsplit_model, stages, schedule, num_microbatches, partition, *, origin=None, batch_norm=None
+        self,
+        unsplit_model,
+        stages,
+        schedule,
+        num_microbatches,
+        partition,
+        *,
+        origin=None,
+        batch_norm=None,
+        virtual_stages=1,
     ):
         super().__init__(name=f"{unsplit_model.name}_pipelined")
         self.unsplit_model = unsplit_model
-        self._plan = _Plan(stages, schedule, num_microbatches, partition, origin, batch_norm=batch_norm)
+        self._plan = _Plan(
+            stages,
+            schedule,
+            num_microbatches,
+            partition,
+            origin,
+            batch_norm=batch_norm,
+            virtual_stages=virtual_stages,
+        )
         self.built = True
 
     @property
@@ -103,6 +123,11 @@ class PipelinedModel(keras.Model):
     @property
     def num_microbatches(self):
         return self._plan.num_microbatches
+
+    @property
+    def virtual_stages(self):
+        """V: chunks of the chain per device (`stages` holds S x V of them)."""
+        return self._plan.virtual_stages
 
     def call(self, inputs, training=False):
         parts = _split_even(inputs, self.num_microbatches)
@@ -168,7 +193,7 @@ class PipelinedModel(keras.Model):
             return self.optimizer.scale_loss(value)
 
         def run():
-            return _step.run_batch(stages, self.schedule, xs, loss_fn)
+            return _step.run_batch(stages, self.schedule, xs, loss_fn, self.virtual_stages)
 
         deferred = self._plan.batch_norm
         y_preds, _, gradients = deferred.run(run, m) if deferred else run()

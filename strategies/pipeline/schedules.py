@@ -1,22 +1,36 @@
 """Pipeline schedules as data: a registry of functions, each giving every stage's ordered ops.
 
-A schedule is a function `(num_stages, num_microbatches) -> per stage, the list of `Op`s in
-the order that stage runs them`, registered by name in `SCHEDULES` (`@register("name")`).
-Adding a schedule is adding one such function; the strategy, the step builder and the
-timeline read everything else (the names, the op kinds) from here:
+A schedule is a function `(num_stages, num_microbatches, virtual_stages) -> per device, the
+list of `Op`s in the order that device runs them`, registered by name in `SCHEDULES`
+(`@register("name", bubble=..., activation_bound=...)`, which also records the schedule's
+theoretical bubble and activation bound). Adding a schedule is adding one such function;
+the strategy, the step builder and the timeline read everything else (the names, the op
+kinds) from here:
 
-- `Kind`: what an op computes -- a micro-batch's forward (F), backward (B), and room for a
-  separate weight-gradient (W, zero-bubble schedules). It owns the op-name format
+- `Kind`: what an op computes -- a micro-batch's forward (F), backward (B: the input
+  gradient, and the weight gradient too unless the schedule has W ops), and weight
+  gradient (W, zero-bubble schedules). It owns the op-name format
   (`s{stage}_{letter}{microbatch}`) that the step gives its ops and the timeline parses.
-- `stage_devices`: the stage -> device map, so V (virtual) stages per device fit.
+- `stage_devices`: the stage -> device map. With V virtual stages per device there are
+  S x V stages (chunks of the chain); stage c runs on device c mod S. An `Op`'s `stage` is
+  that chunk's index, its device (the schedule's "lane") `stage % S`.
 
-The two schedules here, with the terms of their papers:
+The schedules here, with the terms of their papers (S devices, M micro-batches):
 
 - GPipe (Huang et al. 2019): every stage runs the forwards of all M micro-batches, then
   their backwards ("flush"); a stage holds the activations of M micro-batches.
 - 1F1B (PipeDream-Flush, Narayanan et al. 2021): stage `s` runs `S - s - 1` warm-up
   forwards, then alternates one forward and one backward, then drains the remaining
   backwards; a stage holds at most `S - s` <= S micro-batches of activations.
+- Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): each device holds V non-adjacent
+  chunks; warm-up `2 (S - d - 1) + (V - 1) S` chunk-forwards, then 1F1B over chunk-ops, in
+  rounds of S micro-batches per chunk. Bubble (S - 1) / (V M + S - 1) of the step; M must
+  be a multiple of S.
+- ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): 1F1B with each backward split
+  into B (input gradient, sent upstream at once) and W (weight gradient); stage s defers
+  `s` W's, which fill the drain's idle slots. A micro-batch's activations live until its
+  W, so every stage holds at most S (1F1B's largest stage); the bubble shrinks from
+  (S - 1)(t_F + t_B + t_W) to (S - 1)(t_F + t_B - t_W): a third for equal op times.
 
 A schedule here is only an order within each stage. The pipeline turns it into the *fewest*
 control dependencies that enforce it (`control_dependencies`), so that the TensorFlow
@@ -32,6 +46,7 @@ __all__ = [
     "Kind",
     "Op",
     "Step",
+    "activation_bound",
     "bubble_fraction",
     "control_dependencies",
     "data_dependencies",
@@ -40,6 +55,7 @@ __all__ = [
     "order",
     "parse_op_name",
     "register",
+    "simulate",
     "stage_devices",
     "theoretical_bubble",
 ]
@@ -49,8 +65,8 @@ class Kind(str, enum.Enum):
     """What a pipeline op computes for one micro-batch on one stage; its value is its letter."""
 
     FORWARD = "F"
-    BACKWARD = "B"  # the input gradient, and (until a schedule separates W) the weights'
-    WEIGHT = "W"  # weight gradient alone: room for zero-bubble schedules (none uses it yet)
+    BACKWARD = "B"  # the input gradient, and the weights' unless the schedule has W ops
+    WEIGHT = "W"  # the weight gradient alone (zero-bubble schedules)
 
     def __str__(self):
         return self.value
@@ -72,9 +88,10 @@ Op.__doc__ = "One micro-batch's op of one `Kind` on one stage."
 Step = Op  # The name before ops had kinds beyond F and B; kept for callers.
 
 _LETTERS = "".join(kind.value for kind in Kind)
-# A tape names the gradient ops of a forward op `gradient_tape/<forward op name>`, so
-# `gradient_tape/pipeline/s1_F3/...` belongs to backward B3. Gradient ops created inside a
-# B or W scope carry that scope first (`pipeline/s1_W3/gradient_tape/...`), the first match.
+# A tape names the gradient ops of a forward op `gradient_tape/<forward op name>` (an
+# absolute scope, whatever scope the backward is built in), so
+# `gradient_tape/pipeline/s1_F3/...` belongs to backward B3. W ops are built with
+# `tf.gradients`, which prefixes the current scope: `pipeline/s1_W3/gradients/...`.
 _OP_NAME = re.compile(rf"(?:^|/)(gradient_tape/)?pipeline/s(\d+)_([{_LETTERS}])(\d+)/")
 
 
@@ -96,18 +113,33 @@ def parse_op_name(name):
 SCHEDULES = {}
 
 
-def register(name):
-    """Decorator: adds a schedule function to `SCHEDULES` under `name`."""
+def register(name, *, bubble, activation_bound, virtual_stages=False):
+    """Decorator: adds a schedule function to `SCHEDULES` under `name`.
+
+    Args:
+        name: the `schedule=` option's value.
+        bubble: `bubble(S, M, V)` -> the idle share of the step for equal op times.
+        activation_bound: `activation_bound(S, M, V, d)` -> the most micro-batches (chunk
+            micro-batches with V > 1) whose activations device d holds at once.
+        virtual_stages: whether the schedule takes V > 1 chunks per device.
+    """
 
     def add(schedule):
+        schedule.bubble = bubble
+        schedule.activation_bound = activation_bound
+        schedule.virtual_stages = virtual_stages
         SCHEDULES[name] = schedule
         return schedule
 
     return add
 
 
-@register("gpipe")
-def gpipe(num_stages, num_microbatches):
+def _flush_bubble(num_stages, num_microbatches, virtual_stages):
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+@register("gpipe", bubble=_flush_bubble, activation_bound=lambda s, m, v, d: m)
+def gpipe(num_stages, num_microbatches, virtual_stages=1):
     """All forwards, then all backwards (the flush), on every stage."""
     return [
         [Op(s, Kind.FORWARD, i) for i in range(num_microbatches)]
@@ -116,8 +148,8 @@ def gpipe(num_stages, num_microbatches):
     ]
 
 
-@register("1f1b")
-def one_forward_one_backward(num_stages, num_microbatches):
+@register("1f1b", bubble=_flush_bubble, activation_bound=lambda s, m, v, d: min(s - d, m))
+def one_forward_one_backward(num_stages, num_microbatches, virtual_stages=1):
     """Warm-up forwards, then one forward and one backward in turn, then the drain."""
     stages = []
     for s in range(num_stages):
@@ -131,18 +163,79 @@ def one_forward_one_backward(num_stages, num_microbatches):
     return stages
 
 
-def order(schedule, num_stages, num_microbatches):
-    """The order in which each stage runs its ops.
+def _interleaved_warmup(num_stages, num_microbatches, virtual_stages, device):
+    warmup = 2 * (num_stages - device - 1) + (virtual_stages - 1) * num_stages
+    return min(warmup, num_microbatches * virtual_stages)
+
+
+@register(
+    "interleaved",
+    bubble=lambda s, m, v: (s - 1) / (v * m + s - 1),
+    activation_bound=lambda s, m, v, d: min(_interleaved_warmup(s, m, v, d) + 1, m * v),
+    virtual_stages=True,
+)
+def interleaved(num_stages, num_microbatches, virtual_stages=2):
+    """Megatron-LM's interleaved 1F1B: device d runs chunks d, d + S, ..., d + (V-1) S.
+
+    The device's k-th chunk-forward is micro-batch `(k // (S V)) S + k % S` of its chunk
+    `(k // S) % V`; its k-th chunk-backward the same with the chunks in reverse order.
+    """
+    s_, m, v = num_stages, num_microbatches, virtual_stages
+
+    def ops(device, k, kind):
+        chunk = (k // s_) % v
+        if kind == Kind.BACKWARD:
+            chunk = v - 1 - chunk
+        return Op(chunk * s_ + device, kind, (k // (s_ * v)) * s_ + k % s_)
+
+    devices = []
+    for d in range(s_):
+        total, warmup = m * v, _interleaved_warmup(s_, m, v, d)
+        order = [ops(d, k, Kind.FORWARD) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [ops(d, warmup + k, Kind.FORWARD), ops(d, k, Kind.BACKWARD)]
+        devices.append(order + [ops(d, k, Kind.BACKWARD) for k in range(total - warmup, total)])
+    return devices
+
+
+@register(
+    "zb-h1",
+    bubble=lambda s, m, v: (s - 1) / (3 * m + s - 1),
+    activation_bound=lambda s, m, v, d: min(s, m),
+)
+def zero_bubble_h1(num_stages, num_microbatches, virtual_stages=1):
+    """1F1B with B and W split; stage s keeps `s` W's pending, run when the drain idles."""
+    stages = []
+    for s in range(num_stages):
+        warmup = min(num_stages - s - 1, num_microbatches)
+        ops, pending = [Op(s, Kind.FORWARD, i) for i in range(warmup)], []
+        for i in range(num_microbatches):
+            if warmup + i < num_microbatches:
+                ops.append(Op(s, Kind.FORWARD, warmup + i))
+            ops.append(Op(s, Kind.BACKWARD, i))
+            pending.append(Op(s, Kind.WEIGHT, i))
+            if len(pending) > s:
+                ops.append(pending.pop(0))
+        stages.append(ops + pending)
+    return stages
+
+
+def order(schedule, num_stages, num_microbatches, virtual_stages=1):
+    """The order in which each device runs its ops.
 
     Args:
         schedule: a name in `SCHEDULES`.
-        num_stages: S >= 1.
+        num_stages: S >= 1 devices.
         num_microbatches: M >= 1.
+        virtual_stages: V >= 1 chunks per device (schedules registered with
+            `virtual_stages=True` only); the `Op`s name chunks 0 .. S V - 1.
 
     Returns:
-        A list of S lists of `Op`, one list per stage, in execution order.
+        A list of S lists of `Op`, one list per device, in execution order.
     """
-    return SCHEDULES[schedule](num_stages, num_microbatches)
+    if virtual_stages == 1:  # A schedule function written before V existed takes (S, M).
+        return SCHEDULES[schedule](num_stages, num_microbatches)
+    return SCHEDULES[schedule](num_stages, num_microbatches, virtual_stages)
 
 
 def stage_devices(devices, num_stages):
@@ -168,6 +261,8 @@ def data_dependencies(step, num_stages):
     s, kind, i = step
     if kind == Kind.FORWARD:
         return [Op(s - 1, Kind.FORWARD, i)] if s > 0 else []
+    if kind == Kind.WEIGHT:
+        return [Op(s, Kind.BACKWARD, i)]  # the gradients of the layer outputs, from B
     deps = [Op(s, Kind.FORWARD, i)]
     if s < num_stages - 1:
         deps.append(Op(s + 1, Kind.BACKWARD, i))
@@ -187,7 +282,9 @@ def control_dependencies(stage_order, strict=False):
     by side, stealing the other stages' cores). A backward waits for the previous backward
     (gradients are summed in micro-batch order, so the sums are bit-identical across
     schedules); the first backward waits for the latest forward before it (GPipe's flush).
-    No wait ever crosses stages: data is the only link between devices.
+    A weight gradient waits for the previous one (the sums again), and a forward also for
+    the latest W before it (a micro-batch's activations live until its W: the bound).
+    No wait ever crosses devices: data is the only link between them.
 
     Args:
         stage_order: one stage's list of `Op`, as from `order`.
@@ -198,12 +295,15 @@ def control_dependencies(stage_order, strict=False):
     """
     if strict:
         return {step: stage_order[k - 1 : k] for k, step in enumerate(stage_order)}
-    deps, last_f, last_b = {}, None, None
+    deps, last_f, last_b, last_w = {}, None, None, None
     for step in stage_order:
         waits = []
         if step.kind == Kind.FORWARD:
-            waits += [w for w in (last_f, last_b) if w is not None]
+            waits += [w for w in (last_f, last_b, last_w) if w is not None]
             last_f = step
+        elif step.kind == Kind.WEIGHT:
+            waits += [] if last_w is None else [last_w]
+            last_w = step
         else:
             if last_b is not None:
                 waits.append(last_b)
@@ -215,31 +315,38 @@ def control_dependencies(stage_order, strict=False):
 
 
 def live_activations(intervals, num_stages):
-    """Per stage, the most micro-batches whose activations were alive at once.
+    """Per device, the most (chunk) micro-batches whose activations were alive at once.
 
     A micro-batch's activations on a stage are alive from the start of its forward to the
-    end of its backward there (the backward consumes them).
+    end of its last backward op there (B, or W when the schedule splits it: both consume
+    them). Stage c counts on device c mod S (V chunks per device with V > 1).
 
     Args:
         intervals: a dict from `Op` to its (start, end) time, e.g. measured.
-        num_stages: S.
+        num_stages: S devices.
 
     Returns:
         A list of S ints.
     """
+    alive = {}
+    for step, (start, end) in intervals.items():
+        key = (step.stage, step.microbatch)
+        a, b = alive.get(key, (float("inf"), float("-inf")))
+        if step.kind == Kind.FORWARD:
+            alive[key] = (start, b)
+        else:
+            alive[key] = (a, max(b, end))
     peaks = []
-    for s in range(num_stages):
-        events = []
-        for step, (start, end) in intervals.items():
-            if step.stage != s:
-                continue
-            if step.kind == Kind.FORWARD:
-                events.append((start, 1))
-            else:
-                events.append((end, -1))
+    for d in range(num_stages):
         # At equal times a release comes before an allocation (-1 sorts first).
+        events = sorted(
+            event
+            for (stage, _), (start, end) in alive.items()
+            if stage % num_stages == d
+            for event in ((start, 1), (end, -1))
+        )
         live = peak = 0
-        for _, delta in sorted(events):
+        for _, delta in events:
             live += delta
             peak = max(peak, live)
         peaks.append(peak)
@@ -271,6 +378,52 @@ def bubble_fraction(spans, num_stages):
     return 1.0 - busy / (num_stages * span) if span > 0 else 0.0
 
 
-def theoretical_bubble(num_stages, num_microbatches):
-    """GPipe's bubble for equal stage times: (S - 1) / (M + S - 1); the same for 1F1B."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def theoretical_bubble(num_stages, num_microbatches, schedule="1f1b", virtual_stages=1):
+    """The schedule's idle share of the step for equal op times (as registered).
+
+    GPipe and 1F1B: (S - 1) / (M + S - 1); interleaved: (S - 1) / (V M + S - 1); ZB-H1 with
+    t_F = t_B = t_W: (S - 1) / (3 M + S - 1).
+    """
+    return SCHEDULES[schedule].bubble(num_stages, num_microbatches, virtual_stages)
+
+
+def activation_bound(schedule, num_stages, num_microbatches, virtual_stages=1):
+    """Per device, the most (chunk) micro-batches of activations the schedule keeps."""
+    bound = SCHEDULES[schedule].activation_bound
+    return [bound(num_stages, num_microbatches, virtual_stages, d) for d in range(num_stages)]
+
+
+def simulate(orders, costs, virtual_stages=1):
+    """Runs the per-device orders with fixed op times; returns each `Op`'s (start, end).
+
+    Each device runs its ops in order, each as soon as its data (`data_dependencies`) is
+    there. A check of a schedule's arithmetic (its bubble) and of its being deadlock-free.
+
+    Args:
+        orders: as from `order`.
+        costs: dict `Kind` -> time of one op of that kind.
+        virtual_stages: V.
+
+    Raises:
+        ValueError: the orders deadlock (an op waits for data no device will produce).
+    """
+    num_chunks = len(orders) * virtual_stages
+    done, clock, position = {}, [0.0] * len(orders), [0] * len(orders)
+    progress = True
+    while progress:
+        progress = False
+        for d, lane in enumerate(orders):
+            while position[d] < len(lane):
+                step = lane[position[d]]
+                deps = data_dependencies(step, num_chunks)
+                if any(dep not in done for dep in deps):
+                    break
+                start = max([clock[d]] + [done[dep][1] for dep in deps])
+                clock[d] = start + costs[Kind(step.kind)]
+                done[step] = (start, clock[d])
+                position[d] += 1
+                progress = True
+    stuck = [lane[p] for lane, p in zip(orders, position) if p < len(lane)]
+    if stuck:
+        raise ValueError(f"The schedule deadlocks: {stuck[0]} waits for data that never comes.")
+    return done

@@ -5,14 +5,25 @@ stage's device (`tf.device`) and named by `schedules.op_name` (`pipeline/s1_B3`;
 timeline finds them by that name). Groups are linked only by
 
 - data: activations flow forward, gradients backward, between neighbouring stages;
-- the schedule's same-stage waits (`schedules.control_dependencies`), which bound the live
+- the schedule's same-device waits (`schedules.control_dependencies`), which bound the live
   activations (1F1B) or make the flush (GPipe).
+
+With V virtual stages per device, `stages` holds the S x V chunks in chain order; chunk c
+is on device c mod S, and the schedule orders each device's ops over its chunks.
 
 Nothing else orders them, so TensorFlow's executor runs groups of different stages at the
 same time as soon as their inputs exist: that overlap is the pipeline. Each forward records
 its own `tf.GradientTape`; its backward asks that tape for the gradients of the stage's
 output (upstream gradient passed as `output_gradients`) with respect to the stage's input
 and variables, the same chain rule as one tape over the whole model.
+
+Schedules with W ops (zero bubble) split that backward: B asks the tape only for the
+gradients of the stage input and of each layer's output; W later computes each layer's
+weight gradient from its output gradient (`tf.gradients(output, weights, grad_ys)`: the
+layer's own backward, e.g. `x^T dz` for a Dense layer). The weight-gradient ops the tape
+also creates in B feed nothing and are pruned by TensorFlow; they are left out of the
+serialising chain (`_needed`), where a control edge would make a dead op live (TF 2.21's
+Grappler drops them even then, measured: the filter keeps the split from relying on it).
 """
 
 import tensorflow as tf
@@ -52,6 +63,14 @@ class Stage:
             return tf.recompute_grad(run)(x)
         return run(x)
 
+    def call_layers(self, x, training):
+        """Each layer's output, in order (the last is the stage's output); no recompute."""
+        outputs = []
+        for layer in self.layers:
+            x = layer(x, training=training)
+            outputs.append(x)
+        return outputs
+
 
 def _differentiable(x):
     return x.dtype.is_floating or x.dtype.is_complex
@@ -61,18 +80,35 @@ def _flat_outputs(result):
     return [t for t in tf.nest.flatten(result) if isinstance(t, tf.Tensor)]
 
 
+def _needed(operations, results):
+    """The ops among `operations` whose outputs reach `results` (the others are dead)."""
+    created = set(operations)
+    seen, stack = set(), [r.op if isinstance(r, tf.Tensor) else r for r in results]
+    while stack:
+        op = stack.pop()
+        if op in seen or op not in created:
+            continue
+        seen.add(op)
+        stack += [t.op for t in op.inputs] + list(op.control_inputs)
+    return [op for op in operations if op in seen]
+
+
 class _Batch:
     """The mutable state while the ops of one batch are being created."""
 
-    def __init__(self, stages, schedule, inputs, loss_fn):
+    def __init__(self, stages, schedule, inputs, loss_fn, virtual_stages=1):
         self.stages = stages
         self.inputs = inputs
         self.loss_fn = loss_fn
         self.num_stages = len(stages)
-        self.orders = schedules.order(schedule, self.num_stages, len(inputs))
+        self.orders = schedules.order(
+            schedule, self.num_stages // virtual_stages, len(inputs), virtual_stages
+        )
+        self.split_weights = any(op.kind == Kind.WEIGHT for order in self.orders for op in order)
         self.waits = {}
-        for stage, stage_order in zip(stages, self.orders):
-            self.waits.update(schedules.control_dependencies(stage_order, strict=stage.serial))
+        for device, device_order in enumerate(self.orders):
+            # Chunk d is device d's first; every chunk of a device has its `serial` setting.
+            self.waits.update(schedules.control_dependencies(device_order, strict=stages[device].serial))
         self.done = {}
         self.gradients = [None] * self.num_stages
         self.transposes = {}
@@ -90,10 +126,12 @@ class _Batch:
         gate = [t for dep in waits for t in self.done[dep]["gate"]]
         graph = tf.compat.v1.get_default_graph() if serial else None
         first = len(graph.get_operations()) if serial else 0
+        build = {Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward, Kind.WEIGHT: self._weight}
         with tf.device(stage.device), tf.name_scope(schedules.op_name(step)), tf.control_dependencies(gate):
-            self.done[step] = self._forward(step) if step.kind == Kind.FORWARD else self._backward(step)
+            self.done[step] = build[Kind(step.kind)](step)
         if serial:
-            last = tf_graph_edit.chain_in_creation_order(graph.get_operations()[first:])
+            created = _needed(graph.get_operations()[first:], self.done[step]["gate"])
+            last = tf_graph_edit.chain_in_creation_order(created)
             self.done[step]["gate"] += [] if last is None else [last]
 
     def _forward(self, step):
@@ -102,13 +140,16 @@ class _Batch:
             x = self.inputs[step.microbatch]
         else:
             x = self.done[Op(step.stage - 1, Kind.FORWARD, step.microbatch)]["y"]
-        with tf.GradientTape() as tape:
+        # W asks an eager tape a second time; in a graph it uses `tf.gradients` instead.
+        persistent = self.split_weights and tf.executing_eagerly()
+        with tf.GradientTape(persistent=persistent) as tape:
             if _differentiable(x):
                 tape.watch(x)
-            y = stage.call(x, training=True)
+            outputs = stage.call_layers(x, training=True) if self.split_weights else None
+            y = stage.call(x, training=True) if outputs is None else outputs[-1]
             loss = self.loss_fn(step.microbatch, y) if last else None
         gate = [y] if loss is None else [y, loss]
-        return {"x": x, "y": y, "loss": loss, "tape": tape, "gate": gate}
+        return {"x": x, "y": y, "outputs": outputs, "loss": loss, "tape": tape, "gate": gate}
 
     def _backward(self, step):
         s, i = step.stage, step.microbatch
@@ -117,8 +158,10 @@ class _Batch:
             target, upstream = forward["loss"], None
         else:
             target, upstream = forward["y"], self.done[Op(s + 1, Kind.BACKWARD, i)]["dx"]
-        variables = self.stages[s].trainable_variables
         needs_dx = s > 0 and _differentiable(forward["x"])
+        if self.split_weights:
+            return self._input_gradients(step, forward, target, upstream, needs_dx)
+        variables = self.stages[s].trainable_variables
         sources = ([forward["x"]] if needs_dx else []) + variables
         rewrite = self.stages[s].pretranspose and not tf.executing_eagerly()
         graph = tf.compat.v1.get_default_graph() if rewrite else None
@@ -127,32 +170,71 @@ class _Batch:
         if graph is not None:
             tf_graph_edit.pretranspose_matmul_weights(graph.get_operations()[first:], self.transposes)
         dx = grads[0] if needs_dx else None
-        grads = [
-            tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-            for g, v in zip(grads[len(sources) - len(variables) :], variables)
-        ]
-        # Summed in micro-batch order (the backward chain guarantees it), on the stage device.
-        acc = self.gradients[s]
-        self.gradients[s] = grads if acc is None else [a + g for a, g in zip(acc, grads)]
+        self._accumulate(s, grads[len(sources) - len(variables) :], variables)
         # The sums belong to this step: the next step of the stage waits for them too.
         return {"dx": dx, "gate": _flat_outputs([dx, self.gradients[s]])}
 
+    def _accumulate(self, s, grads, variables):
+        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
+        # Summed in micro-batch order (the B or W chain guarantees it), on the stage device.
+        acc = self.gradients[s]
+        self.gradients[s] = grads if acc is None else [a + g for a, g in zip(acc, grads)]
 
-def run_batch(stages, schedule, inputs, loss_fn):
+    def _input_gradients(self, step, forward, target, upstream, needs_dx):
+        """B of a split backward: the gradients of the stage input and of each layer output."""
+        outputs = forward["outputs"]
+        last = step.stage == self.num_stages - 1
+        # A middle stage's last output gradient is the upstream one; the last stage's comes
+        # from the loss. Non-float outputs (indices) have none.
+        asked = [k for k, y in enumerate(outputs) if _differentiable(y) and (last or k < len(outputs) - 1)]
+        sources = ([forward["x"]] if needs_dx else []) + [outputs[k] for k in asked]
+        rewrite = self.stages[step.stage].pretranspose and not tf.executing_eagerly()
+        graph = tf.compat.v1.get_default_graph() if rewrite else None
+        first = 0 if graph is None else len(graph.get_operations())
+        grads = forward["tape"].gradient(target, sources, output_gradients=upstream) if sources else []
+        if graph is not None:
+            tf_graph_edit.pretranspose_matmul_weights(graph.get_operations()[first:], self.transposes)
+        dx = grads[0] if needs_dx else None
+        dys = [None] * len(outputs)
+        for k, g in zip(asked, grads[len(sources) - len(asked) :]):
+            dys[k] = g
+        if not last:
+            dys[-1] = upstream
+        return {"dx": dx, "dys": dys, "gate": _flat_outputs([dx, dys])}
+
+    def _weight(self, step):
+        """W of a split backward: each layer's weight gradient from its output gradient."""
+        s, i = step.stage, step.microbatch
+        forward, dys = self.done[Op(s, Kind.FORWARD, i)], self.done[Op(s, Kind.BACKWARD, i)]["dys"]
+        grads = []
+        for layer, y, dy in zip(self.stages[s].layers, forward["outputs"], dys):
+            weights = layer.trainable_variables
+            if not weights or dy is None:
+                grads += [None] * len(weights)
+            elif tf.executing_eagerly():
+                grads += forward["tape"].gradient(y, weights, output_gradients=dy)
+            else:
+                grads += tf.gradients(y, weights, grad_ys=dy)
+        self._accumulate(s, grads, self.stages[s].trainable_variables)
+        return {"gate": _flat_outputs(self.gradients[s])}
+
+
+def run_batch(stages, schedule, inputs, loss_fn, virtual_stages=1):
     """Creates the ops of one pipelined forward + backward over micro-batches.
 
     Args:
-        stages: the list of `Stage`.
+        stages: the list of `Stage` (S x V chunks, in chain order).
         schedule: a name in `schedules.SCHEDULES`.
         inputs: the list of M micro-batches of the first stage's input.
         loss_fn: `loss_fn(i, y_pred_i)` -> the scalar this micro-batch adds to the loss to
             differentiate (already weighted and, if needed, scaled for the optimizer).
+        virtual_stages: V chunks per device.
 
     Returns:
         (y_preds, losses, gradients): the M last-stage outputs, the M loss terms, and per
         stage the list of summed gradients of its trainable variables.
     """
-    batch = _Batch(stages, schedule, inputs, loss_fn)
+    batch = _Batch(stages, schedule, inputs, loss_fn, virtual_stages)
     for stage_order in batch.orders:
         for step in stage_order:
             batch.emit(step)

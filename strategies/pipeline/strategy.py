@@ -1,4 +1,4 @@
-"""`PipelineStrategy`: GPipe and 1F1B pipeline parallelism for Keras 3 models on TensorFlow.
+"""`PipelineStrategy`: GPipe, 1F1B, interleaved 1F1B and ZB-H1 pipelines for Keras 3 on TensorFlow.
 
 The user's model (a `keras.Sequential`, or a functional model that is a chain of layers) is
 cut into S consecutive stages by the shared partitioner, and copied so that each stage's
@@ -38,6 +38,7 @@ _OPTIONS = (
     "num_stages",
     "num_microbatches",
     "schedule",
+    "virtual_stages",
     "devices",
     "balance",
     "recompute",
@@ -53,8 +54,13 @@ class PipelineStrategy:
         num_stages: S, the number of stages (and devices).
         num_microbatches: M, micro-batches per batch; must divide every batch size.
         schedule: a name in `schedules.SCHEDULES`: "gpipe" (all forwards, then all
-            backwards; M micro-batches of activations per stage) or "1f1b" (one forward,
-            one backward; at most S).
+            backwards; M micro-batches of activations per stage), "1f1b" (one forward,
+            one backward; at most S), "interleaved" (Megatron-LM's interleaved 1F1B over
+            `virtual_stages` chunks per device; M a multiple of S) or "zb-h1" (zero
+            bubble: the weight gradient W split from the backward and deferred into the
+            drain's idle slots; at most S per stage).
+        virtual_stages: V, chunks of the chain per device ("interleaved" only): the
+            model is cut into S x V stages, chunk c on device c mod S.
         devices: S device names, or None for the first S GPUs, else S logical CPU
             devices (the host CPU is split if TensorFlow has not started yet).
         balance: how to cut the layers: "parameters" (equal parameter counts),
@@ -83,6 +89,7 @@ class PipelineStrategy:
         num_stages=2,
         num_microbatches=4,
         schedule="1f1b",
+        virtual_stages=1,
         devices=None,
         balance="parameters",
         recompute=False,
@@ -98,6 +105,8 @@ class PipelineStrategy:
                 f"Invalid value for argument `schedule`. Received: schedule={schedule!r}. "
                 f"Expected one of {list(schedules.SCHEDULES)}."
             )
+        self.virtual_stages = positive_int("virtual_stages", virtual_stages)
+        self._check_schedule(schedule, self.virtual_stages, recompute)
         if not isinstance(recompute, bool):
             raise StrategyError(
                 f"Invalid value for argument `recompute`. Received: recompute={recompute!r}. "
@@ -118,18 +127,39 @@ class PipelineStrategy:
         self.balance = balance
         self.recompute = recompute
         self.devices = resolve_devices(devices, num_stages, count_argument="num_stages", distinct=False)
-        # The stage -> device map: one stage per device today; V stages per device fit here.
-        self.stage_devices = schedules.stage_devices(self.devices, num_stages)
+        # The stage -> device map: S x V chunks, chunk c on device c mod S.
+        self.stage_devices = schedules.stage_devices(self.devices, num_stages * self.virtual_stages)
         if serialize_stages is None:
             serialize_stages = all(device_type(d) == "CPU" for d in self.devices)
         self.serialize_stages = serialize_stages
 
+    def _check_schedule(self, schedule, virtual_stages, recompute):
+        if virtual_stages > 1 and not schedules.SCHEDULES[schedule].virtual_stages:
+            capable = [name for name, fn in schedules.SCHEDULES.items() if fn.virtual_stages]
+            raise StrategyError(
+                f"Invalid value for argument `virtual_stages`. Received: virtual_stages={virtual_stages} "
+                f"with schedule={schedule!r}. Expected 1, or a schedule among {capable}."
+            )
+        if schedule == "interleaved" and self.num_microbatches % self.num_stages:
+            raise StrategyError(
+                f"Invalid value for argument `num_microbatches`. Received: num_microbatches="
+                f"{self.num_microbatches} with schedule='interleaved' and num_stages={self.num_stages}. "
+                "Expected a multiple of num_stages (the schedule runs rounds of S micro-batches)."
+            )
+        if recompute is True and any(
+            op.kind == schedules.Kind.WEIGHT for op in schedules.order(schedule, 1, 1, virtual_stages)[0]
+        ):
+            raise StrategyError(
+                f"Invalid value for argument `recompute`. Received: recompute=True with "
+                f"schedule={schedule!r}. Expected False: its W ops need each layer's kept output."
+            )
+
     def __repr__(self):
         return (
             f"PipelineStrategy(num_stages={self.num_stages}, num_microbatches={self.num_microbatches}, "
-            f"schedule={self.schedule!r}, devices={self.devices}, balance={self.balance!r}, "
-            f"recompute={self.recompute}, serialize_stages={self.serialize_stages}, "
-            f"deferred_batch_norm={self.deferred_batch_norm})"
+            f"schedule={self.schedule!r}, virtual_stages={self.virtual_stages}, devices={self.devices}, "
+            f"balance={self.balance!r}, recompute={self.recompute}, "
+            f"serialize_stages={self.serialize_stages}, deferred_batch_norm={self.deferred_batch_norm})"
         )
 
     def split(self, model, *, sample_input=None):
@@ -165,7 +195,7 @@ class PipelineStrategy:
                     f"Layer {layer.name!r} has an activity regulariser, which a pipeline cannot "
                     "sum over micro-batches like Keras does. Expected layers without one."
                 )
-        counts = _partition.balance(layers, self.num_stages, self.balance, sample_input)
+        counts = _partition.balance(layers, len(self.stage_devices), self.balance, sample_input)
         partition = _partition.describe(layers, counts, self.stage_devices)
         for part in partition:
             _log.info(
@@ -187,6 +217,7 @@ class PipelineStrategy:
             partition,
             origin=origin,
             batch_norm=batch_norm,
+            virtual_stages=self.virtual_stages,
         )
 
     wrap = split  # The first name of `split`, kept for callers.

@@ -34,14 +34,19 @@ class PipelineTrace:
     """One measured step: per `Op` its (start, end) in seconds from the step's first op.
 
     Attributes:
-        schedule, num_stages, num_microbatches: what ran.
-        intervals: dict `Op` -> (start, end) seconds.
-        live_activations: per stage, the most micro-batches alive at once (forward
-            started, backward not finished), from the measured intervals.
-        bubble: measured idle share, 1 - busy / (S * makespan), a stage's busy time
+        schedule, num_stages, num_microbatches: what ran (S devices).
+        intervals: dict `Op` -> (start, end) seconds; an `Op`'s stage is its chunk with
+            V > 1 (on device `stage % num_stages`).
+        live_activations: per device, the most (chunk) micro-batches alive at once
+            (forward started, last backward op -- B or W -- not finished), from the
+            measured intervals.
+        bubble: measured idle share, 1 - busy / (S * makespan), a device's busy time
             being the union of its ops' execution intervals.
-        theoretical_bubble: (S - 1) / (M + S - 1).
+        theoretical_bubble: the schedule's, for equal op times
+            (`schedules.theoretical_bubble`).
         makespan: seconds from the first forward start to the last backward end.
+        virtual_stages: V, chunks per device.
+        activation_bound: per device, the schedule's bound on `live_activations`.
     """
 
     schedule: str
@@ -52,6 +57,8 @@ class PipelineTrace:
     bubble: float
     theoretical_bubble: float
     makespan: float
+    virtual_stages: int = 1
+    activation_bound: list = dataclasses.field(default_factory=list)
 
 
 def _group_intervals(events):
@@ -96,18 +103,27 @@ def trace_train_step(model, x, y, sample_weight=None):
         groups, ops = _group_intervals(tf_xplane.op_events(logdir))
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
-    return _summarise(groups, ops, model.schedule, len(model.stages), model.num_microbatches)
+    virtual, m = model.virtual_stages, model.num_microbatches
+    return _summarise(groups, ops, model.schedule, len(model.stages) // virtual, m, virtual_stages=virtual)
 
 
-def _summarise(groups, ops, schedule, num_stages, num_microbatches):
-    expected = {s for order in schedules.order(schedule, num_stages, num_microbatches) for s in order}
-    missing = expected - set(groups)
+def _summarise(groups, ops, schedule, num_stages, num_microbatches, *, virtual_stages=1):
+    orders = schedules.order(schedule, num_stages, num_microbatches, virtual_stages)
+    expected = {s for order in orders for s in order}
+    # With W split off, a B or W can compute nothing: no weights (pooling, reshaping) for W;
+    # a first stage of one layer for B (that layer's output gradient came from upstream).
+    split = any(op.kind == Kind.WEIGHT for op in expected)
+    missing = {s for s in expected - set(groups) if not split or s.kind == Kind.FORWARD}
     if missing:
         raise RuntimeError(f"The profiler trace lacks {len(missing)} pipeline step(s), e.g. {min(missing)}.")
-    groups = {s: groups[s] for s in expected}
+    groups = {s: groups[s] for s in expected if s in groups}
     origin = min(a for a, _ in groups.values())
     intervals = {s: ((a - origin) / 1e9, (b - origin) / 1e9) for s, (a, b) in groups.items()}
-    spans = [(step.stage, (a - origin) / 1e9, (b - origin) / 1e9) for step, a, b in ops if step in groups]
+    spans = [
+        (step.stage % num_stages, (a - origin) / 1e9, (b - origin) / 1e9)
+        for step, a, b in ops
+        if step in groups
+    ]
     return PipelineTrace(
         schedule=schedule,
         num_stages=num_stages,
@@ -115,34 +131,48 @@ def _summarise(groups, ops, schedule, num_stages, num_microbatches):
         intervals=intervals,
         live_activations=schedules.live_activations(intervals, num_stages),
         bubble=schedules.bubble_fraction(spans, num_stages),
-        theoretical_bubble=schedules.theoretical_bubble(num_stages, num_microbatches),
+        theoretical_bubble=schedules.theoretical_bubble(
+            num_stages, num_microbatches, schedule, virtual_stages
+        ),
         makespan=max(b for _, b in intervals.values()),
+        virtual_stages=virtual_stages,
+        activation_bound=schedules.activation_bound(schedule, num_stages, num_microbatches, virtual_stages),
     )
 
 
 def plot(trace, path, title=None):
-    """Writes a Gantt chart PNG of a `PipelineTrace`: stage x time, forward/backward coloured."""
+    """Writes a Gantt chart PNG of a `PipelineTrace`: device x time, each `Kind` its colour.
+
+    With V > 1 a box's label names its chunk too (`F3.1`: micro-batch 3 of the device's
+    second chunk) and later chunks are hatched.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.patches
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 0.6 + 0.55 * trace.num_stages), dpi=90)
+    # Wide enough for each device's boxes to hold their labels (32 a device with V=2, M=8).
+    per_device = len(trace.intervals) / trace.num_stages
+    fig, ax = plt.subplots(figsize=(max(10, 0.5 * per_device), 0.6 + 0.55 * trace.num_stages), dpi=90)
+    virtual = trace.virtual_stages
     for step, (start, end) in sorted(trace.intervals.items()):
-        row = trace.num_stages - 1 - step.stage
+        device, chunk = step.stage % trace.num_stages, step.stage // trace.num_stages
+        row = trace.num_stages - 1 - device
         ms = (start * 1e3, (end - start) * 1e3)
-        ax.broken_barh([ms], (row - 0.4, 0.8), facecolors=Kind(step.kind).colour, edgecolor="white", lw=0.5)
-        ax.text(
-            ms[0] + ms[1] / 2,
-            row,
-            f"{Kind(step.kind).value}{step.microbatch}",
-            ha="center",
-            va="center",
-            fontsize=7,
+        ax.broken_barh(
+            [ms],
+            (row - 0.4, 0.8),
+            facecolors=Kind(step.kind).colour,
+            edgecolor="white",
+            lw=0.5,
+            hatch="//" if chunk else None,
         )
+        label = f"{Kind(step.kind).value}{step.microbatch}" + (f".{chunk}" if virtual > 1 else "")
+        ax.text(ms[0] + ms[1] / 2, row, label, ha="center", va="center", fontsize=6 if virtual > 1 else 7)
     ax.set_yticks(range(trace.num_stages))
-    ax.set_yticklabels([f"stage {s}" for s in reversed(range(trace.num_stages))])
+    name = "device" if virtual > 1 else "stage"
+    ax.set_yticklabels([f"{name} {s}" for s in reversed(range(trace.num_stages))])
     ax.set_xlabel("time in the step (ms)")
     ax.set_xlim(0, trace.makespan * 1e3)
     kinds = sorted({Kind(step.kind) for step in trace.intervals}, key=list(Kind).index)
@@ -151,7 +181,9 @@ def plot(trace, path, title=None):
     ax.set_title(
         title
         or (
-            f"{trace.schedule} S={trace.num_stages} M={trace.num_microbatches}: measured bubble "
+            f"{trace.schedule} S={trace.num_stages} M={trace.num_microbatches}"
+            + (f" V={virtual}" if virtual > 1 else "")
+            + ": measured bubble "
             f"{trace.bubble:.0%} (theory {trace.theoretical_bubble:.0%}), live activations "
             f"{trace.live_activations}"
         ),

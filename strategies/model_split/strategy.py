@@ -3,18 +3,27 @@
 import weakref
 
 from tfscale.strategies import _partition, _parts
-from tfscale.strategies._devices import resolve_devices
+from tfscale.strategies._devices import local_device_names, resolve_devices
 from tfscale.strategies._errors import StrategyError
-from tfscale.strategies._options import reject_unknown
+from tfscale.strategies._options import positive_int, reject_unknown
 from tfscale.strategies._placement import clone_chain
+from tfscale.strategies._replicas import check_data_parallel, group_devices
 from tfscale.strategies.model_split.layers import ModelSplitError
-from tfscale.strategies.model_split.models import SplitSequential
+from tfscale.strategies.model_split.models import DataParallelSplit, SplitSequential
 from tfscale.strategies.model_split.tensor_split import model_input, tensor_split
 
 __all__ = ["ModelSplitStrategy"]
 
 _BALANCE_METHODS = ("parameters", "uniform", "time")
-_OPTIONS = ("devices", "num_devices", "balance", "tensor_parallel", "tensor_layers", "sample_input")
+_OPTIONS = (
+    "devices",
+    "num_devices",
+    "balance",
+    "tensor_parallel",
+    "tensor_layers",
+    "sample_input",
+    "data_parallel",
+)
 
 
 class ModelSplitStrategy:
@@ -43,6 +52,11 @@ class ModelSplitStrategy:
             top-level Dense, Embedding and MultiHeadAttention layer.
         sample_input: a batch for the model, used by `balance="time"`; may also be
             given to `split`, like the pipeline's (which wins).
+        data_parallel: D copies of the split model, each on its own group of K devices
+            (`devices`: D x K names, replica r on devices[r*K:(r+1)*K]; `num_devices`: K,
+            the devices of one copy). Each copy takes 1/D of every batch and each part's
+            gradients are summed over the copies before the update; `split` then returns
+            a `DataParallelSplit`.
 
     Raises:
         StrategyError: devices that do not exist here, or options that contradict each other.
@@ -65,10 +79,14 @@ class ModelSplitStrategy:
         tensor_parallel=False,
         tensor_layers=None,
         sample_input=None,
+        data_parallel=1,
         **unknown,
     ):
         reject_unknown("model_split", unknown, _OPTIONS)
-        self._devices = _resolve_devices(devices, num_devices, tensor_parallel)
+        self.data_parallel = check_data_parallel(data_parallel, 1, None, count_argument="num_devices")
+        self._all_devices = _resolve_devices(devices, num_devices, tensor_parallel, self.data_parallel)
+        self._groups = group_devices(self._all_devices, self.data_parallel)
+        self._devices = self._groups[0]
         self._tensor = _check_tensor_parallel(tensor_parallel, len(self._devices))
         if not isinstance(balance, (list, tuple)) and balance not in _BALANCE_METHODS:
             raise StrategyError(
@@ -86,11 +104,12 @@ class ModelSplitStrategy:
 
     @property
     def devices(self):
-        """The device names, one per part."""
-        return list(self._devices)
+        """The device names, one per part (of every replica, in order, when data parallel)."""
+        return list(self._all_devices)
 
     @property
     def num_devices(self):
+        """Devices of one copy of the model (K)."""
         return len(self._devices)
 
     def split(self, model, *, sample_input=None):
@@ -111,23 +130,27 @@ class ModelSplitStrategy:
             ModelSplitError: unbuilt model; tensor split of an unsupported layer, or of a
                 dimension not divisible by the number of devices.
         """
-        if self._tensor:
-            split = tensor_split(model, self._devices, self._tensor_layers)
-        else:
-            sample = self._sample_input if sample_input is None else sample_input
-            split = self._layer_split(model, sample)
+        sample = self._sample_input if sample_input is None else sample_input
+        # Replica 0 last, so that `self.placement` describes it.
+        copies = [self._split_on(model, group, sample) for group in self._groups[::-1]][::-1]
+        split = copies[0] if len(copies) == 1 else DataParallelSplit(copies)
         self._origins[split] = _parts.Origin(model)
         return split
 
-    def _layer_split(self, model, sample_input):
+    def _split_on(self, model, devices, sample_input):
+        if self._tensor:
+            return tensor_split(model, devices, self._tensor_layers)
+        return self._layer_split(model, devices, sample_input)
+
+    def _layer_split(self, model, devices, sample_input):
         layers = _partition.chain_layers(model)
-        counts = _partition.balance(layers, len(self._devices), self._balance, sample_input)
+        counts = _partition.balance(layers, len(devices), self._balance, sample_input)
         inputs = model_input(model)
-        copies, placement, _ = clone_chain(layers, counts, self._devices, inputs)
+        copies, placement, _ = clone_chain(layers, counts, devices, inputs)
         split = SplitSequential(
             [model_input(model), *copies], placement=placement, name=f"{model.name}_split"
         )
-        self.placement = _partition.describe(split.layers, counts, self._devices)
+        self.placement = _partition.describe(split.layers, counts, devices)
         return split
 
     def merge(self, split_model):
@@ -144,7 +167,8 @@ class ModelSplitStrategy:
                 f"Invalid value for argument `split_model`: model {split_model.name!r} was not "
                 "returned by this strategy's split(). Expected the model split() returned."
             )
-        return _parts.merge(self._origins[split_model], split_model)
+        primary = getattr(split_model, "primary", split_model)
+        return _parts.merge(self._origins[split_model], primary)
 
     def report(self, split_model):
         """Per device, read from each variable's device: layers, params and param bytes.
@@ -153,10 +177,11 @@ class ModelSplitStrategy:
             A list of dicts (one per device, in order) with keys "device", "layers",
             "params", "param_bytes"; model variables only (optimizer slots not counted).
         """
-        return _parts.report(split_model.layers, self._devices)
+        models = getattr(split_model, "replica_models", [split_model])
+        return _parts.report([layer for m in models for layer in m.layers], self._all_devices)
 
 
-def _resolve_devices(devices, num_devices, tensor_parallel):
+def _resolve_devices(devices, num_devices, tensor_parallel, data_parallel):
     if devices is not None and num_devices is not None:
         raise StrategyError(
             "Arguments `devices` and `num_devices` of strategy 'model_split' exclude each other. "
@@ -164,7 +189,23 @@ def _resolve_devices(devices, num_devices, tensor_parallel):
         )
     if devices is None and num_devices is None and not isinstance(tensor_parallel, bool):
         num_devices = tensor_parallel
-    return resolve_devices(devices, num_devices, count_argument="num_devices", distinct=True)
+    if data_parallel == 1:
+        return resolve_devices(devices, num_devices, count_argument="num_devices", distinct=True)
+    if devices is not None:
+        names = resolve_devices(devices, None, count_argument="num_devices", distinct=True)
+        if len(names) % data_parallel:
+            raise StrategyError(
+                f"Invalid value for argument `devices`. Received: {len(names)} devices for "
+                f"data_parallel={data_parallel}. Expected data_parallel x K devices (K per copy)."
+            )
+        return names
+    per_copy = positive_int("num_devices", num_devices)
+    try:
+        return resolve_devices(None, data_parallel * per_copy, count_argument="num_devices", distinct=True)
+    except StrategyError:
+        have = len(local_device_names("GPU") or local_device_names("CPU"))
+        check_data_parallel(data_parallel, per_copy, have, count_argument="num_devices")
+        raise
 
 
 def _check_tensor_parallel(tensor_parallel, num_devices):

@@ -24,10 +24,11 @@ import logging
 import keras
 
 from tfscale.strategies import _partition, _parts
-from tfscale.strategies._devices import device_key, device_type, resolve_devices
+from tfscale.strategies._devices import device_key, device_type, local_device_names, resolve_devices
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._options import positive_int, reject_unknown
 from tfscale.strategies._placement import clone_chain, model_input, variable_device
+from tfscale.strategies._replicas import check_data_parallel, group_devices
 from tfscale.strategies.pipeline import schedules
 
 __all__ = ["PipelineStrategy"]
@@ -41,6 +42,7 @@ _OPTIONS = (
     "balance",
     "recompute",
     "serialize_stages",
+    "data_parallel",
 )
 
 
@@ -53,8 +55,9 @@ class PipelineStrategy:
         schedule: a name in `schedules.SCHEDULES`: "gpipe" (all forwards, then all
             backwards; M micro-batches of activations per stage) or "1f1b" (one forward,
             one backward; at most S).
-        devices: S device names, or None for the first S GPUs, else S logical CPU
-            devices (the host CPU is split if TensorFlow has not started yet).
+        devices: S device names (D x S with `data_parallel=D`: replica r's stages on
+            devices[r*S:(r+1)*S]), or None for the first D x S GPUs, else D x S logical
+            CPU devices (the host CPU is split if TensorFlow has not started yet).
         balance: how to cut the layers: "parameters" (equal parameter counts),
             "uniform" (equal layer counts), "time" (equal measured forward + backward
             time; pass `sample_input` to `split`) or a list of S layer counts.
@@ -64,9 +67,13 @@ class PipelineStrategy:
             None (default) means True on CPU devices: logical CPU devices share one
             thread pool, and without it a stage could take every core. False lets
             TensorFlow run independent ops of one stage side by side.
+        data_parallel: D, copies of the whole pipeline; each takes 1/D of every batch
+            (in order: replica r the r-th slice) and each stage's gradients are summed
+            over the D copies by one collective before the update (`strategies._replicas`).
+            The batch size must then be a multiple of D x M.
 
     Raises:
-        StrategyError: an option out of range, or more stages than devices.
+        StrategyError: an option out of range, or D x S more than the devices.
     """
 
     def __init__(
@@ -79,6 +86,7 @@ class PipelineStrategy:
         balance="parameters",
         recompute=False,
         serialize_stages=None,
+        data_parallel=1,
         **unknown,
     ):
         reject_unknown("pipeline", unknown, _OPTIONS)
@@ -102,9 +110,13 @@ class PipelineStrategy:
         self.schedule = schedule
         self.balance = balance
         self.recompute = recompute
-        self.devices = resolve_devices(devices, num_stages, count_argument="num_stages", distinct=False)
+        self.data_parallel = check_data_parallel(
+            data_parallel, self.num_stages, None, count_argument="num_stages"
+        )
+        self.devices = _resolve(devices, self.num_stages, self.data_parallel)
+        self.replica_devices = group_devices(self.devices, self.data_parallel)
         # The stage -> device map: one stage per device today; V stages per device fit here.
-        self.stage_devices = schedules.stage_devices(self.devices, num_stages)
+        self.stage_devices = schedules.stage_devices(self.replica_devices[0], num_stages)
         if serialize_stages is None:
             serialize_stages = all(device_type(d) == "CPU" for d in self.devices)
         self.serialize_stages = serialize_stages
@@ -113,7 +125,8 @@ class PipelineStrategy:
         return (
             f"PipelineStrategy(num_stages={self.num_stages}, num_microbatches={self.num_microbatches}, "
             f"schedule={self.schedule!r}, devices={self.devices}, balance={self.balance!r}, "
-            f"recompute={self.recompute}, serialize_stages={self.serialize_stages})"
+            f"recompute={self.recompute}, serialize_stages={self.serialize_stages}, "
+            f"data_parallel={self.data_parallel})"
         )
 
     def split(self, model, *, sample_input=None):
@@ -160,9 +173,21 @@ class PipelineStrategy:
         # The same class, layer names and weights layout as the user's model (its weights
         # files load into it), made of the placed copies.
         unsplit = keras.models.clone_model(model, clone_function=lambda layer: by_layer[id(layer)])
-        stages = self._stages(copies, counts)
+        replicas = [self._stages(copies, counts, self.stage_devices)]
+        for group in self.replica_devices[1:]:
+            # Replicas 1..D-1: untracked copies (replica 0 is the model Keras saves).
+            devices = schedules.stage_devices(group, self.num_stages)
+            replicas.append(self._stages(clone_chain(layers, counts, devices, inputs)[0], counts, devices))
         origin = _parts.Origin(model)
-        return PipelinedModel(unsplit, stages, self.schedule, self.num_microbatches, partition, origin=origin)
+        return PipelinedModel(
+            unsplit,
+            replicas[0],
+            self.schedule,
+            self.num_microbatches,
+            partition,
+            origin=origin,
+            replicas=replicas,
+        )
 
     wrap = split  # The first name of `split`, kept for callers.
 
@@ -182,13 +207,14 @@ class PipelineStrategy:
 
     def report(self, pipelined):
         """Per device, read from each variable's device: layers, params and param bytes."""
-        return _parts.report(pipelined.unsplit_model.layers, self.devices)
+        layers = [layer for stages in pipelined.replicas for stage in stages for layer in stage.layers]
+        return _parts.report(layers, self.devices)
 
-    def _stages(self, copies, counts):
+    def _stages(self, copies, counts, stage_devices):
         from tfscale.strategies.pipeline.step import Stage
 
         stages, start = [], 0
-        for index, (count, device) in enumerate(zip(counts, self.stage_devices)):
+        for index, (count, device) in enumerate(zip(counts, stage_devices)):
             stage = Stage(index, copies[start : start + count], device, self.recompute, self.serialize_stages)
             start += count
             for variable in (w for layer in stage.layers for w in layer.weights):
@@ -199,3 +225,24 @@ class PipelineStrategy:
                     )
             stages.append(stage)
         return stages
+
+
+def _resolve(devices, num_stages, data_parallel):
+    """D x S device names; too few devices for D > 1 names both numbers."""
+    if data_parallel == 1:
+        return resolve_devices(devices, num_stages, count_argument="num_stages", distinct=False)
+    count = data_parallel * num_stages
+    try:
+        names = resolve_devices(devices, count, count_argument="data_parallel x num_stages", distinct=False)
+    except StrategyError:
+        if devices is not None:
+            raise
+        have = len(local_device_names("GPU") or local_device_names("CPU"))
+        check_data_parallel(data_parallel, num_stages, have, count_argument="num_stages")
+        raise
+    if len(set(map(device_key, names))) != count:
+        raise StrategyError(
+            f"Invalid value for argument `devices`. Received: devices={list(devices)!r}. Expected "
+            f"{count} distinct devices for data_parallel={data_parallel} x num_stages={num_stages}."
+        )
+    return names

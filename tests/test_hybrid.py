@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfscale.callbacks
 import tfscale.strategies
 from tfscale.strategies import PipelineStrategy, StrategyError
 from tfscale.strategies._placement import variable_device
@@ -219,3 +220,36 @@ def test_model_split_x_data_parallel_trains_like_one_device(tensor_parallel, tmp
         unsplit.load_weights(path)
         for a, b in zip(unsplit.get_weights(), reference.get_weights()):
             np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+
+
+class _StopAfterEpoch(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize(
+    "backup_class",
+    [keras.callbacks.BackupAndRestore, tfscale.callbacks.BackupAndRestore],
+    ids=["keras", "tfscale"],
+)
+def test_backup_and_restore_of_pipeline_x_data_parallel(tmp_path, backup_class):
+    x, y = _data("mlp")
+    expected, weights = _reference("mlp")
+    backup = backup_class(str(tmp_path / "backup"))
+    strategy = PipelineStrategy(num_stages=2, num_microbatches=2, data_parallel=2, balance="uniform")
+    first = _compile(strategy.split(_model("mlp")))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(first, x, y, callbacks=[backup, _StopAfterEpoch()])
+    # A fresh hybrid model from other weights: only the restore (into every replica) fixes it.
+    second = _compile(strategy.split(_model("mlp", seed=3)))
+    history = _fit(second, x, y, callbacks=[backup])
+    np.testing.assert_allclose(history["loss"], expected["loss"][1:], rtol=RTOL)
+    for a, b in zip(second.get_weights(), weights):
+        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+    path = str(tmp_path / "hybrid.weights.h5")
+    second.save_weights(path)
+    unsplit = _model("mlp", seed=4)
+    unsplit.load_weights(path)
+    for a, b in zip(unsplit.get_weights(), second.get_weights()):
+        np.testing.assert_array_equal(a, b)

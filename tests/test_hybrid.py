@@ -163,10 +163,17 @@ def test_replicas_resync_after_set_weights():
 
 
 def test_bad_data_parallel_input_is_one_line_error():
+    # Starts TensorFlow's runtime, so the host CPU stays split into conftest's 4 devices
+    # (before that, a strategy could still split it into 8).
+    assert len(tf.config.list_logical_devices("CPU")) == 4
     with pytest.raises(StrategyError, match=r"data_parallel=4 x num_stages=2 = 8 devices, more than the 4"):
         PipelineStrategy(num_stages=2, data_parallel=4)
     with pytest.raises(StrategyError, match=r"`data_parallel`.*data_parallel=0"):
         PipelineStrategy(num_stages=2, data_parallel=0)
+    with pytest.raises(StrategyError, match=r"data_parallel=4 x num_devices=2 = 8 devices, more than the 4"):
+        tfscale.strategies.get("model_split", num_devices=2, data_parallel=4)
+    with pytest.raises(StrategyError, match=r"3 devices for data_parallel=2"):
+        tfscale.strategies.get("model_split", devices=["/cpu:0", "/cpu:1", "/cpu:2"], data_parallel=2)
     pipelined = _compile(
         PipelineStrategy(num_stages=2, num_microbatches=2, data_parallel=2).split(_model("mlp"))
     )

@@ -69,7 +69,7 @@ class PipelineStrategy:
             TensorFlow run independent ops of one stage side by side.
         data_parallel: D, copies of the whole pipeline; each takes 1/D of every batch
             (in order: replica r the r-th slice) and each stage's gradients are summed
-            over the D copies by one collective before the update (`strategies._replicas`).
+            over the D copies by one all-reduce before the update (`strategies._replicas`).
             The batch size must then be a multiple of D x M.
 
     Raises:

@@ -3,18 +3,27 @@
 import weakref
 
 from tfscale.strategies import _partition, _parts
-from tfscale.strategies._devices import resolve_devices
+from tfscale.strategies._devices import local_device_names, resolve_devices
 from tfscale.strategies._errors import StrategyError
-from tfscale.strategies._options import reject_unknown
+from tfscale.strategies._options import positive_int, reject_unknown
 from tfscale.strategies._placement import clone_chain
+from tfscale.strategies._replicas import check_data_parallel, group_devices
 from tfscale.strategies.model_split.layers import ModelSplitError
-from tfscale.strategies.model_split.models import SplitSequential
+from tfscale.strategies.model_split.models import DataParallelSplit, SplitSequential
 from tfscale.strategies.model_split.tensor_split import model_input, tensor_split
 
 __all__ = ["ModelSplitStrategy"]
 
 _BALANCE_METHODS = ("parameters", "uniform", "time")
-_OPTIONS = ("devices", "num_devices", "balance", "tensor_parallel", "tensor_layers", "sample_input")
+_OPTIONS = (
+    "devices",
+    "num_devices",
+    "balance",
+    "tensor_parallel",
+    "tensor_layers",
+    "sample_input",
+    "data_parallel",
+)
 
 
 class ModelSplitStrategy:
@@ -43,6 +52,11 @@ class ModelSplitStrategy:
             top-level Dense, Embedding and MultiHeadAttention layer.
         sample_input: a batch for the model, used by `balance="time"`; may also be
             given to `split`, like the pipeline's (which wins).
+        data_parallel: D copies of the split model, each on its own group of K devices
+            (`devices`: D x K names, replica r on devices[r*K:(r+1)*K]; `num_devices`: K,
+            the devices of one copy). Each copy takes 1/D of every batch and each part's
+            gradients are summed over the copies before the update; `split` then returns
+            a `DataParallelSplit`.
 
     Raises:
         StrategyError: devices that do not exist here, or options that contradict each other.
@@ -65,10 +79,14 @@ class ModelSplitStrategy:
         tensor_parallel=False,
         tensor_layers=None,
         sample_input=None,
+        data_parallel=1,
         **unknown,
     ):
         reject_unknown("model_split", unknown, _OPTIONS)
-        self._devices = _resolve_devices(devices, num_devices, tensor_parallel)
+        self.data_parallel = check_data_parallel(data_parallel, 1, None, count_argument="num_devices")
+        self._all_devices = _resolve_devices(devices, num_devices, tensor_parallel, self.data_parallel)
+        self._groups = group_devices(self._all_devices, self.data_parallel)
+        self._devices = self._groups[0]
         self._tensor = _check_tensor_parallel(tensor_parallel, len(self._devices))
         if not isinstance(balance, (list, tuple)) and balance not in _BALANCE_METHODS:
             raise StrategyError(
@@ -87,11 +105,12 @@ class ModelSplitStrategy:
 
     @property
     def devices(self):
-        """The device names, one per part."""
-        return list(self._devices)
+        """The device names, one per part (of every replica, in order, when data parallel)."""
+        return list(self._all_devices)
 
     @property
     def num_devices(self):
+        """Devices of one copy of the model (K)."""
         return len(self._devices)
 
     def split(self, model, *, sample_input=None):
@@ -115,24 +134,31 @@ class ModelSplitStrategy:
                 layer that can. Without `tensor_layers`, such layers are left whole on the
                 first device, and `report()` says why.
         """
-        if self._tensor:
-            split, whole = tensor_split(model, self._devices, self._tensor_layers)
-            self._whole[split] = whole
-        else:
-            sample = self._sample_input if sample_input is None else sample_input
-            split = self._layer_split(model, sample)
+        sample = self._sample_input if sample_input is None else sample_input
+        # Replica 0 last, so that `self.placement` describes it.
+        outcomes = [self._split_on(model, group, sample) for group in self._groups[::-1]][::-1]
+        copies = [copy for copy, _ in outcomes]
+        split = copies[0] if len(copies) == 1 else DataParallelSplit(copies)
+        if outcomes[0][1] is not None:
+            self._whole[split] = outcomes[0][1]
         self._origins[split] = _parts.Origin(model)
         return split
 
-    def _layer_split(self, model, sample_input):
+    def _split_on(self, model, devices, sample_input):
+        """(split model, {layer: why not split} for a tensor split, else None) on `devices`."""
+        if self._tensor:
+            return tensor_split(model, devices, self._tensor_layers)
+        return self._layer_split(model, devices, sample_input), None
+
+    def _layer_split(self, model, devices, sample_input):
         layers = _partition.chain_layers(model)
-        counts = _partition.balance(layers, len(self._devices), self._balance, sample_input)
+        counts = _partition.balance(layers, len(devices), self._balance, sample_input)
         inputs = model_input(model)
-        copies, placement, _ = clone_chain(layers, counts, self._devices, inputs)
+        copies, placement, _ = clone_chain(layers, counts, devices, inputs)
         split = SplitSequential(
             [model_input(model), *copies], placement=placement, name=f"{model.name}_split"
         )
-        self.placement = _partition.describe(split.layers, counts, self._devices)
+        self.placement = _partition.describe(split.layers, counts, devices)
         return split
 
     def merge(self, split_model):
@@ -149,7 +175,8 @@ class ModelSplitStrategy:
                 f"Invalid value for argument `split_model`: model {split_model.name!r} was not "
                 "returned by this strategy's split(). Expected the model split() returned."
             )
-        return _parts.merge(self._origins[split_model], split_model)
+        primary = getattr(split_model, "primary", split_model)
+        return _parts.merge(self._origins[split_model], primary)
 
     def report(self, split_model):
         """Per device, read from each variable's device: layers, params and param bytes.
@@ -161,7 +188,8 @@ class ModelSplitStrategy:
             device) and "whole_layers" ({layer name: why it was not split} for the layers
             held whole on this device).
         """
-        rows = _parts.report(split_model.layers, self._devices)
+        models = getattr(split_model, "replica_models", [split_model])
+        rows = _parts.report([layer for m in models for layer in m.layers], self._all_devices)
         whole = self._whole.get(split_model)
         if whole is not None:
             for row in rows:
@@ -170,7 +198,7 @@ class ModelSplitStrategy:
         return rows
 
 
-def _resolve_devices(devices, num_devices, tensor_parallel):
+def _resolve_devices(devices, num_devices, tensor_parallel, data_parallel):
     if devices is not None and num_devices is not None:
         raise StrategyError(
             "Arguments `devices` and `num_devices` of strategy 'model_split' exclude each other. "
@@ -178,7 +206,23 @@ def _resolve_devices(devices, num_devices, tensor_parallel):
         )
     if devices is None and num_devices is None and not isinstance(tensor_parallel, bool):
         num_devices = tensor_parallel
-    return resolve_devices(devices, num_devices, count_argument="num_devices", distinct=True)
+    if data_parallel == 1:
+        return resolve_devices(devices, num_devices, count_argument="num_devices", distinct=True)
+    if devices is not None:
+        names = resolve_devices(devices, None, count_argument="num_devices", distinct=True)
+        if len(names) % data_parallel:
+            raise StrategyError(
+                f"Invalid value for argument `devices`. Received: {len(names)} devices for "
+                f"data_parallel={data_parallel}. Expected data_parallel x K devices (K per copy)."
+            )
+        return names
+    per_copy = positive_int("num_devices", num_devices)
+    try:
+        return resolve_devices(None, data_parallel * per_copy, count_argument="num_devices", distinct=True)
+    except StrategyError:
+        have = len(local_device_names("GPU") or local_device_names("CPU"))
+        check_data_parallel(data_parallel, per_copy, have, count_argument="num_devices")
+        raise
 
 
 def _check_tensor_parallel(tensor_parallel, num_devices):

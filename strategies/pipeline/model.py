@@ -7,24 +7,38 @@ import keras
 import tensorflow as tf
 
 from tfscale.compat import keras_compile_loss
+from tfscale.strategies import _replicas
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._loss_split import loss_reduction as _loss_reduction
+from tfscale.strategies._loss_split import slice_weights as _microbatch_weights
 from tfscale.strategies._placement import place_slots_with_variables
 from tfscale.strategies.pipeline import step as _step
 
 __all__ = ["PipelinedModel"]
-
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 class _Plan:
     """The stages and schedule; a plain object so Keras does not track the layers twice."""
 
     def __init__(
-        self, stages, schedule, num_microbatches, partition, origin, *, batch_norm=None, virtual_stages=1
+        self,
+        stages,
+        schedule,
+        num_microbatches,
+        partition,
+        origin,
+        *,
+        replicas,
+        batch_norm=None,
+        virtual_stages=1,
     ):
         self.stages = stages
         self.batch_norm = batch_norm  # a `DeferredBatchNorm`, or None: Keras's own updates
         self.virtual_stages = virtual_stages
+        self.replicas = replicas  # per data-parallel replica, its stages (replica 0: `stages`)
+        self.data_parallel = _replicas.Replicas(
+            [[v for stage in r for v in stage.trainable_variables] for r in replicas]
+        )
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.partition = partition
@@ -42,38 +56,7 @@ def _split_exact(value, parts):
     return None if value is None else tf.split(value, parts)
 
 
-def _loss_reduction(loss):
-    if loss is None:
-        raise StrategyError(
-            "A pipelined model needs `loss` in `compile()`. Received: loss=None. Expected a "
-            "Keras loss (name, function or `keras.losses.Loss`)."
-        )
-    if isinstance(loss, (list, tuple, dict)):
-        raise StrategyError(
-            f"Invalid value for argument `loss`. Received: loss={loss!r}. Expected a single "
-            "loss: a pipeline is a chain with one output."
-        )
-    reduction = getattr(loss, "reduction", "sum_over_batch_size") if isinstance(loss, keras.Loss) else None
-    reduction = reduction or "sum_over_batch_size"
-    if reduction not in (*_MEAN_REDUCTIONS, "sum", "mean_with_sample_weight"):
-        raise StrategyError(
-            f"Invalid loss reduction for a pipeline. Received: reduction={reduction!r}. Expected "
-            "'sum_over_batch_size', 'mean', 'sum' or 'mean_with_sample_weight' (a scalar loss)."
-        )
-    return reduction
-
-
-def _microbatch_weights(reduction, sample_weights, num_microbatches):
-    """w_i with sum_i w_i * loss(micro-batch i) == loss(batch) for equal micro-batches."""
-    if reduction == "sum":
-        return [1.0] * num_microbatches
-    if reduction == "mean_with_sample_weight" and sample_weights is not None:
-        total = tf.add_n([tf.reduce_sum(w) for w in sample_weights])
-        return [tf.math.divide_no_nan(tf.reduce_sum(w), total) for w in sample_weights]
-    return [1.0 / num_microbatches] * num_microbatches
-
-
-class PipelinedModel(keras.Model):
+class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
     """A Keras model trained by a pipeline schedule; build it with `PipelineStrategy.split`.
 
     It holds `unsplit_model`, the same network as the user's model (same class, layer names
@@ -93,6 +76,7 @@ class PipelinedModel(keras.Model):
         origin=None,
         batch_norm=None,
         virtual_stages=1,
+        replicas=None,
     ):
         super().__init__(name=f"{unsplit_model.name}_pipelined")
         self.unsplit_model = unsplit_model
@@ -104,6 +88,7 @@ class PipelinedModel(keras.Model):
             origin,
             batch_norm=batch_norm,
             virtual_stages=virtual_stages,
+            replicas=replicas or [stages],
         )
         self.built = True
 
@@ -115,6 +100,11 @@ class PipelinedModel(keras.Model):
     @property
     def stages(self):
         return self._plan.stages
+
+    @property
+    def replicas(self):
+        """Per data-parallel replica, its list of stages (replica 0 is `stages`)."""
+        return self._plan.replicas
 
     @property
     def schedule(self):
@@ -152,11 +142,15 @@ class PipelinedModel(keras.Model):
     def fit(self, *args, **kwargs):
         bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
         self._check_batches(bound.arguments)
+        self._prepare_replicas()
         return super().fit(*args, **kwargs)
+
+    def _data_parallel(self):
+        return self._plan.data_parallel
 
     def _check_batches(self, arguments):
         """Fails before training when a batch of `fit` cannot be cut into M micro-batches."""
-        x, m = arguments.get("x"), self.num_microbatches
+        x, m = arguments.get("x"), self.num_microbatches * self._plan.data_parallel.size
         if isinstance(x, tf.data.Dataset):
             first = tf.nest.flatten(x.element_spec)[0]
             sizes = [first.shape[0]] if first.shape.rank else []
@@ -168,7 +162,14 @@ class PipelinedModel(keras.Model):
             sizes = [min(batch, n)] + ([n % batch] if n % batch else [])
         else:
             return
+        d = self._plan.data_parallel.size
         for size in sizes:
+            if size is not None and size % m and d > 1:
+                raise StrategyError(
+                    f"Invalid value for argument `data_parallel`. Received: data_parallel={d} x "
+                    f"num_microbatches={m // d} for a batch of {size} samples. Expected batch sizes "
+                    f"(and a number of samples) that are multiples of {m}."
+                )
             if size is not None and size % m:
                 raise StrategyError(
                     f"Invalid value for argument `num_microbatches`. Received: num_microbatches={m} "
@@ -178,29 +179,51 @@ class PipelinedModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        m, stages = self.num_microbatches, self.stages
+        m, replicas = self.num_microbatches, self.replicas
+        d = len(replicas)
         batch = self._checked_batch_size(x)
-        with tf.device(stages[0].device):
-            xs = tf.split(x, m)
-        with tf.device(stages[-1].device):
-            ys, sws = _split_exact(y, m), _split_exact(sample_weight, m)
-            weights = _microbatch_weights(_loss_reduction(self.loss), sws, m)
+        # Replica r takes the r-th 1/D of the batch, cut into M micro-batches on its devices.
+        xs = _slices(x, d, m, [stages[0].device for stages in replicas])
+        ys = _slices(y, d, m, [stages[-1].device for stages in replicas])
+        sws = _slices(sample_weight, d, m, [stages[-1].device for stages in replicas])
+        with tf.device(replicas[0][-1].device):
+            flat_sws = None if sws is None else [w for ws in sws for w in ws]
+            weights = _microbatch_weights(_loss_reduction(self.loss), flat_sws, d * m)
         loss_object, terms = keras_compile_loss.compiled_loss(self), []
 
-        def loss_fn(i, y_pred):
-            value = loss_object(ys[i], y_pred, None if sws is None else sws[i]) * weights[i]
-            terms.append(value)
-            return self.optimizer.scale_loss(value)
+        def loss_fn_of(r):
+            def loss_fn(i, y_pred):
+                w = None if sws is None else sws[r][i]
+                value = loss_object(ys[r][i], y_pred, w) * weights[r * m + i]
+                terms.append(value)
+                return self.optimizer.scale_loss(value)
 
-        def run():
-            return _step.run_batch(stages, self.schedule, xs, loss_fn, self.virtual_stages)
+            return loss_fn
 
-        deferred = self._plan.batch_norm
-        y_preds, _, gradients = deferred.run(run, m) if deferred else run()
-        regularization = self._regularization(gradients)
-        variables = [v for stage in stages for v in stage.trainable_variables]
-        self.optimizer.apply_gradients(zip([g for gs in gradients for g in gs], variables))
-        with tf.device(stages[-1].device):
+        y_preds, gradients = [], []
+        for r, stages in enumerate(replicas):
+
+            def run(stages=stages, r=r):
+                return _step.run_batch(stages, self.schedule, xs[r], loss_fn_of(r), self.virtual_stages)
+
+            deferred = self._plan.batch_norm  # only with one replica (see PipelineStrategy.split)
+            outputs, _, grads = deferred.run(run, m) if deferred else run()
+            y_preds += outputs
+            gradients.append([g for gs in grads for g in gs])
+        summed = self._plan.data_parallel.all_reduce(gradients)
+        regularization = []
+        for r, stages in enumerate(replicas):
+            # After the sum: the weight penalty counts once, as on one device.
+            per_stage = _regroup(summed[r], stages)
+            values = self._regularization(per_stage, stages)
+            regularization = regularization or values
+            summed[r] = [g for gs in per_stage for g in gs]
+        if d == 1:
+            variables = [v for stage in replicas[0] for v in stage.trainable_variables]
+            self.optimizer.apply_gradients(zip(summed[0], variables))
+        else:
+            self._plan.data_parallel.apply(summed)
+        with tf.device(replicas[0][-1].device):
             loss = tf.add_n(terms + regularization)
             y_pred = tf.concat(y_preds, axis=0)
         keras_compile_loss.update_loss_tracker(self, loss, batch)
@@ -208,6 +231,14 @@ class PipelinedModel(keras.Model):
 
     def _checked_batch_size(self, x):
         m, n = self.num_microbatches, x.shape[0]
+        d = self._plan.data_parallel.size
+        if d > 1 and n is not None and n % (d * m):
+            raise StrategyError(
+                f"Invalid value for argument `data_parallel`. Received: data_parallel={d} x "
+                f"num_microbatches={m} for a batch of {n} samples. Expected batch sizes that are "
+                f"multiples of {d * m}."
+            )
+        m *= d
         if n is not None and n % m:
             raise StrategyError(
                 f"Invalid value for argument `num_microbatches`. Received: num_microbatches={m} "
@@ -220,10 +251,10 @@ class PipelinedModel(keras.Model):
             )
         return batch
 
-    def _regularization(self, gradients):
+    def _regularization(self, gradients, stages):
         """Adds each stage's weight-regularisation gradient (on its device); returns the losses."""
         losses = []
-        for stage in self.stages:
+        for stage in stages:
             with tf.device(stage.device), tf.GradientTape() as tape:
                 stage_losses = [loss for layer in stage.layers for loss in layer.losses]
                 if not stage_losses:
@@ -256,4 +287,29 @@ class PipelinedModel(keras.Model):
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
         """Loads a weights file of the unsplit model (or written by `save_weights`)."""
-        return self.unsplit_model.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        result = self.unsplit_model.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        self._plan.data_parallel.sync()
+        return result
+
+
+def _slices(value, data_parallel, num_microbatches, devices):
+    """Per replica, the M micro-batches of its 1/D of `value`, each cut on its device."""
+    if value is None:
+        return None
+    with tf.device(devices[0]):
+        pieces = tf.split(value, data_parallel) if data_parallel > 1 else [value]
+    out = []
+    for piece, device in zip(pieces, devices):
+        with tf.device(device):
+            out.append(tf.split(piece, num_microbatches))
+    return out
+
+
+def _regroup(flat, stages):
+    """A flat list of gradients back into one list per stage."""
+    out, start = [], 0
+    for stage in stages:
+        count = len(stage.trainable_variables)
+        out.append(flat[start : start + count])
+        start += count
+    return out

@@ -24,10 +24,11 @@ import logging
 import keras
 
 from tfscale.strategies import _partition, _parts
-from tfscale.strategies._devices import device_key, device_type, resolve_devices
+from tfscale.strategies._devices import device_key, device_type, local_device_names, resolve_devices
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._options import positive_int, reject_unknown
 from tfscale.strategies._placement import clone_chain, model_input, variable_device
+from tfscale.strategies._replicas import check_data_parallel, group_devices
 from tfscale.strategies.pipeline import schedules
 from tfscale.strategies.pipeline.batchnorm import DeferredBatchNorm
 
@@ -44,6 +45,7 @@ _OPTIONS = (
     "recompute",
     "serialize_stages",
     "deferred_batch_norm",
+    "data_parallel",
 )
 
 
@@ -61,8 +63,9 @@ class PipelineStrategy:
             drain's idle slots; at most S per stage).
         virtual_stages: V, chunks of the chain per device ("interleaved" only): the
             model is cut into S x V stages, chunk c on device c mod S.
-        devices: S device names, or None for the first S GPUs, else S logical CPU
-            devices (the host CPU is split if TensorFlow has not started yet).
+        devices: S device names (D x S with `data_parallel=D`: replica r's stages on
+            devices[r*S:(r+1)*S]), or None for the first D x S GPUs, else D x S logical
+            CPU devices (the host CPU is split if TensorFlow has not started yet).
         balance: how to cut the layers: "parameters" (equal parameter counts),
             "uniform" (equal layer counts), "time" (equal measured forward + backward
             time; pass `sample_input` to `split`) or a list of S layer counts.
@@ -78,9 +81,13 @@ class PipelineStrategy:
             Keras would. Training-mode normalisation uses each micro-batch's own
             statistics either way. Not with `recompute` (a recomputed forward would be
             recorded twice): there it is off.
+        data_parallel: D, copies of the whole pipeline; each takes 1/D of every batch
+            (in order: replica r the r-th slice) and each stage's gradients are summed
+            over the D copies by one all-reduce before the update (`strategies._replicas`).
+            The batch size must then be a multiple of D x M.
 
     Raises:
-        StrategyError: an option out of range, or more stages than devices.
+        StrategyError: an option out of range, or D x S more than the devices.
     """
 
     def __init__(
@@ -95,6 +102,7 @@ class PipelineStrategy:
         recompute=False,
         serialize_stages=None,
         deferred_batch_norm=True,
+        data_parallel=1,
         **unknown,
     ):
         reject_unknown("pipeline", unknown, _OPTIONS)
@@ -126,9 +134,15 @@ class PipelineStrategy:
         self.schedule = schedule
         self.balance = balance
         self.recompute = recompute
-        self.devices = resolve_devices(devices, num_stages, count_argument="num_stages", distinct=False)
-        # The stage -> device map: S x V chunks, chunk c on device c mod S.
-        self.stage_devices = schedules.stage_devices(self.devices, num_stages * self.virtual_stages)
+        self.data_parallel = check_data_parallel(
+            data_parallel, self.num_stages, None, count_argument="num_stages"
+        )
+        self.devices = _resolve(devices, self.num_stages, self.data_parallel)
+        self.replica_devices = group_devices(self.devices, self.data_parallel)
+        # The stage -> device map of replica 0: S x V chunks, chunk c on device c mod S.
+        self.stage_devices = schedules.stage_devices(
+            self.replica_devices[0], num_stages * self.virtual_stages
+        )
         if serialize_stages is None:
             serialize_stages = all(device_type(d) == "CPU" for d in self.devices)
         self.serialize_stages = serialize_stages
@@ -159,7 +173,8 @@ class PipelineStrategy:
             f"PipelineStrategy(num_stages={self.num_stages}, num_microbatches={self.num_microbatches}, "
             f"schedule={self.schedule!r}, virtual_stages={self.virtual_stages}, devices={self.devices}, "
             f"balance={self.balance!r}, recompute={self.recompute}, "
-            f"serialize_stages={self.serialize_stages}, deferred_batch_norm={self.deferred_batch_norm})"
+            f"serialize_stages={self.serialize_stages}, deferred_batch_norm={self.deferred_batch_norm}, "
+            f"data_parallel={self.data_parallel})"
         )
 
     def split(self, model, *, sample_input=None):
@@ -206,18 +221,26 @@ class PipelineStrategy:
         # The same class, layer names and weights layout as the user's model (its weights
         # files load into it), made of the placed copies.
         unsplit = keras.models.clone_model(model, clone_function=lambda layer: by_layer[id(layer)])
-        stages = self._stages(copies, counts)
+        replicas = [self._stages(copies, counts, self.stage_devices)]
+        for group in self.replica_devices[1:]:
+            # Replicas 1..D-1: untracked copies (replica 0 is the model Keras saves).
+            devices = schedules.stage_devices(group, self.num_stages * self.virtual_stages)
+            replicas.append(self._stages(clone_chain(layers, counts, devices, inputs)[0], counts, devices))
         origin = _parts.Origin(model)
-        batch_norm = DeferredBatchNorm(copies) if self.deferred_batch_norm else None
+        # Deferred statistics are gathered over one replica's micro-batches: with D > 1 each
+        # replica's BatchNorm moves once per micro-batch, as Keras would (documented).
+        deferred = self.deferred_batch_norm and self.data_parallel == 1
+        batch_norm = DeferredBatchNorm(copies) if deferred else None
         return PipelinedModel(
             unsplit,
-            stages,
+            replicas[0],
             self.schedule,
             self.num_microbatches,
             partition,
             origin=origin,
             batch_norm=batch_norm,
             virtual_stages=self.virtual_stages,
+            replicas=replicas,
         )
 
     wrap = split  # The first name of `split`, kept for callers.
@@ -238,13 +261,14 @@ class PipelineStrategy:
 
     def report(self, pipelined):
         """Per device, read from each variable's device: layers, params and param bytes."""
-        return _parts.report(pipelined.unsplit_model.layers, self.devices)
+        layers = [layer for stages in pipelined.replicas for stage in stages for layer in stage.layers]
+        return _parts.report(layers, self.devices)
 
-    def _stages(self, copies, counts):
+    def _stages(self, copies, counts, stage_devices):
         from tfscale.strategies.pipeline.step import Stage
 
         stages, start = [], 0
-        for index, (count, device) in enumerate(zip(counts, self.stage_devices)):
+        for index, (count, device) in enumerate(zip(counts, stage_devices)):
             stage = Stage(index, copies[start : start + count], device, self.recompute, self.serialize_stages)
             start += count
             for variable in (w for layer in stage.layers for w in layer.weights):
@@ -255,3 +279,24 @@ class PipelineStrategy:
                     )
             stages.append(stage)
         return stages
+
+
+def _resolve(devices, num_stages, data_parallel):
+    """D x S device names; too few devices for D > 1 names both numbers."""
+    if data_parallel == 1:
+        return resolve_devices(devices, num_stages, count_argument="num_stages", distinct=False)
+    count = data_parallel * num_stages
+    try:
+        names = resolve_devices(devices, count, count_argument="data_parallel x num_stages", distinct=False)
+    except StrategyError:
+        if devices is not None:
+            raise
+        have = len(local_device_names("GPU") or local_device_names("CPU"))
+        check_data_parallel(data_parallel, num_stages, have, count_argument="num_stages")
+        raise
+    if len(set(map(device_key, names))) != count:
+        raise StrategyError(
+            f"Invalid value for argument `devices`. Received: devices={list(devices)!r}. Expected "
+            f"{count} distinct devices for data_parallel={data_parallel} x num_stages={num_stages}."
+        )
+    return names

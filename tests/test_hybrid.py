@@ -1,0 +1,262 @@
+"""Pipeline x data parallel and model split x data parallel in one process (4 logical CPUs).
+
+Reference: the unsplit model trained on one device with the same global batch. Tolerance
+(issue 12): losses per epoch rtol=1e-5, final weights atol=1e-5 -- float32 round-off, since
+the gradient of a global batch is summed over replicas and micro-batches in another order.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfscale.callbacks
+import tfscale.strategies
+from tfscale.strategies import PipelineStrategy, StrategyError
+from tfscale.strategies._placement import variable_device
+
+RTOL, ATOL = 1e-5, 1e-5
+EPOCHS, BATCH, SAMPLES = 2, 16, 32
+SEQ, VOCAB, WIDTH = 6, 11, 8
+
+
+@keras.saving.register_keras_serializable("tfscale_test")
+class _Block(keras.layers.Layer):
+    """A pre-norm Transformer block: its residuals stay inside, so a model of blocks is a chain."""
+
+    def __init__(self, width, heads, **kwargs):
+        super().__init__(**kwargs)
+        self.width, self.heads = width, heads
+        self.norm1 = keras.layers.LayerNormalization()
+        self.attention = keras.layers.MultiHeadAttention(heads, width // heads)
+        self.norm2 = keras.layers.LayerNormalization()
+        self.up = keras.layers.Dense(2 * width, activation="relu")
+        self.down = keras.layers.Dense(width)
+
+    def call(self, x):
+        h = self.norm1(x)
+        x = x + self.attention(h, h)
+        return x + self.down(self.up(self.norm2(x)))
+
+    def get_config(self):
+        return {**super().get_config(), "width": self.width, "heads": self.heads}
+
+
+def _mlp():
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(12, activation="relu"),
+            keras.layers.Dense(10, activation="tanh"),
+            keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
+            keras.layers.Dense(3),
+        ],
+        name="mlp",
+    )
+
+
+def _transformer():
+    return keras.Sequential(
+        [
+            keras.Input((SEQ,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, WIDTH),
+            _Block(WIDTH, 2),
+            _Block(WIDTH, 2),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ],
+        name="transformer",
+    )
+
+
+_BUILDERS = {"mlp": _mlp, "transformer": _transformer}
+
+
+def _model(kind, seed=0):
+    keras.utils.set_random_seed(seed)
+    return _BUILDERS[kind]()
+
+
+def _data(kind, samples=SAMPLES):
+    rng = np.random.default_rng(1)
+    if kind == "transformer":
+        x = rng.integers(0, VOCAB, size=(samples, SEQ)).astype("int32")
+    else:
+        x = rng.normal(size=(samples, 6)).astype("float32")
+    return x, rng.normal(size=(samples, 3)).astype("float32")
+
+
+def _compile(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse", metrics=["mae"])
+    return model
+
+
+def _fit(model, x, y, **kwargs):
+    return model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, **kwargs).history
+
+
+_REFERENCE = {}
+
+
+def _reference(kind):
+    """The unsplit model trained on one device: history and final weights (once per kind)."""
+    if kind not in _REFERENCE:
+        with tf.device("/device:CPU:0"):
+            model = _compile(_model(kind))
+            history = _fit(model, *_data(kind))
+        _REFERENCE[kind] = (history, model.get_weights())
+    return _REFERENCE[kind]
+
+
+def _assert_trains_like_reference(kind, model):
+    history, weights = _reference(kind)
+    got = _fit(model, *_data(kind))
+    np.testing.assert_allclose(got["loss"], history["loss"], rtol=RTOL)
+    np.testing.assert_allclose(got["mae"], history["mae"], rtol=RTOL)
+    assert len(model.get_weights()) == len(weights)
+    for a, b in zip(model.get_weights(), weights):
+        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+def test_pipeline_x_data_parallel_trains_like_one_device(kind, schedule):
+    strategy = tfscale.strategies.get(
+        "pipeline", num_stages=2, num_microbatches=2, data_parallel=2, schedule=schedule, balance="uniform"
+    )
+    pipelined = _compile(strategy.split(_model(kind)))
+    _assert_trains_like_reference(kind, pipelined)
+    # Every replica ends with the same weights: each applied the same summed gradients.
+    for stages in pipelined.replicas[1:]:
+        for a, b in zip(_variables(stages), _variables(pipelined.replicas[0])):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def _variables(stages):
+    return [v for stage in stages for v in stage.trainable_variables]
+
+
+def test_each_replica_stage_and_its_slots_live_on_their_own_device():
+    strategy = PipelineStrategy(num_stages=2, num_microbatches=2, data_parallel=2, balance="uniform")
+    pipelined = _compile(strategy.split(_model("mlp")))
+    _fit(pipelined, *_data("mlp"))
+    devices = tfscale.strategies.split_cpu(4)
+    optimizers = pipelined._plan.data_parallel.optimizers
+    assert optimizers[0] is pipelined.optimizer
+    for r, (stages, optimizer) in enumerate(zip(pipelined.replicas, optimizers)):
+        momenta = {v.path.split("/", 1)[1]: v for v in optimizer.variables}
+        for s, stage in enumerate(stages):
+            device = devices[r * 2 + s]
+            assert stage.device == device
+            for variable in stage.trainable_variables:
+                assert variable_device(variable).endswith(device[1:])
+                slot = momenta[variable.path.replace("/", "_") + "_momentum"]
+                assert variable_device(slot).endswith(device[1:])
+
+
+def test_replicas_resync_after_set_weights():
+    strategy = PipelineStrategy(num_stages=2, num_microbatches=2, data_parallel=2)
+    pipelined = _compile(strategy.split(_model("mlp")))
+    pipelined.set_weights([w + 1.0 for w in pipelined.get_weights()])
+    for a, b in zip(_variables(pipelined.replicas[1]), _variables(pipelined.replicas[0])):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_bad_data_parallel_input_is_one_line_error():
+    # Starts TensorFlow's runtime, so the host CPU stays split into conftest's 4 devices
+    # (before that, a strategy could still split it into 8).
+    assert len(tf.config.list_logical_devices("CPU")) == 4
+    with pytest.raises(StrategyError, match=r"data_parallel=4 x num_stages=2 = 8 devices, more than the 4"):
+        PipelineStrategy(num_stages=2, data_parallel=4)
+    with pytest.raises(StrategyError, match=r"`data_parallel`.*data_parallel=0"):
+        PipelineStrategy(num_stages=2, data_parallel=0)
+    with pytest.raises(StrategyError, match=r"data_parallel=4 x num_devices=2 = 8 devices, more than the 4"):
+        tfscale.strategies.get("model_split", num_devices=2, data_parallel=4)
+    with pytest.raises(StrategyError, match=r"3 devices for data_parallel=2"):
+        tfscale.strategies.get("model_split", devices=["/cpu:0", "/cpu:1", "/cpu:2"], data_parallel=2)
+    pipelined = _compile(
+        PipelineStrategy(num_stages=2, num_microbatches=2, data_parallel=2).split(_model("mlp"))
+    )
+    x, y = _data("mlp", samples=24)
+    with pytest.raises(
+        StrategyError, match=r"`data_parallel`.*data_parallel=2 x num_microbatches=2 for a batch of 6"
+    ):
+        pipelined.fit(x, y, batch_size=6, verbose=0)
+
+
+def _split_mlp():
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(12, activation="relu"),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(4),
+        ],
+        name="split_mlp",
+    )
+
+
+_BUILDERS["split_mlp"] = _split_mlp
+
+
+@pytest.mark.parametrize("tensor_parallel", [True, False], ids=["tensor", "layer"])
+def test_model_split_x_data_parallel_trains_like_one_device(tensor_parallel, tmp_path):
+    x, _ = _data("mlp")
+    y = np.random.default_rng(2).normal(size=(SAMPLES, 4)).astype("float32")
+    with tf.device("/device:CPU:0"):
+        reference = _compile(_model("split_mlp"))
+        expected = _fit(reference, x, y)
+    strategy = tfscale.strategies.get(
+        "model_split", num_devices=2, tensor_parallel=tensor_parallel, data_parallel=2
+    )
+    split = _compile(strategy.split(_model("split_mlp")))
+    got = _fit(split, x, y)
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=RTOL)
+    merged = strategy.merge(split)
+    for a, b in zip(merged.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+    # Replica r's parts live on devices 2r and 2r+1, each copy holding its share.
+    rows = strategy.report(split)
+    assert [row["device"] for row in rows] == tfscale.strategies.split_cpu(4)
+    assert all(row["params"] > 0 for row in rows)
+    assert rows[0]["params"] + rows[1]["params"] == rows[2]["params"] + rows[3]["params"]
+    if not tensor_parallel:  # A layer split's weights file is the user's model's.
+        path = str(tmp_path / "split.weights.h5")
+        split.save_weights(path)
+        unsplit = _model("split_mlp", seed=5)
+        unsplit.load_weights(path)
+        for a, b in zip(unsplit.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+
+
+class _StopAfterEpoch(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize(
+    "backup_class",
+    [keras.callbacks.BackupAndRestore, tfscale.callbacks.BackupAndRestore],
+    ids=["keras", "tfscale"],
+)
+def test_backup_and_restore_of_pipeline_x_data_parallel(tmp_path, backup_class):
+    x, y = _data("mlp")
+    expected, weights = _reference("mlp")
+    backup = backup_class(str(tmp_path / "backup"))
+    strategy = PipelineStrategy(num_stages=2, num_microbatches=2, data_parallel=2, balance="uniform")
+    first = _compile(strategy.split(_model("mlp")))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(first, x, y, callbacks=[backup, _StopAfterEpoch()])
+    # A fresh hybrid model from other weights: only the restore (into every replica) fixes it.
+    second = _compile(strategy.split(_model("mlp", seed=3)))
+    history = _fit(second, x, y, callbacks=[backup])
+    np.testing.assert_allclose(history["loss"], expected["loss"][1:], rtol=RTOL)
+    for a, b in zip(second.get_weights(), weights):
+        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+    path = str(tmp_path / "hybrid.weights.h5")
+    second.save_weights(path)
+    unsplit = _model("mlp", seed=4)
+    unsplit.load_weights(path)
+    for a, b in zip(unsplit.get_weights(), second.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -132,6 +132,24 @@ def test_pipeline_x_data_parallel_trains_like_one_device(kind, schedule):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+@pytest.mark.parametrize(("schedule", "virtual_stages"), [("zb-h1", 1), ("interleaved", 2)])
+def test_new_schedules_compose_with_data_parallel(schedule, virtual_stages):
+    # Issue 16 x issue 12: the schedule only sees one replica's chunks, so zero-bubble and
+    # interleaved (S x V chunks, chunk c on device c mod S) run per replica unchanged.
+    strategy = tfscale.strategies.get(
+        "pipeline",
+        num_stages=2,
+        num_microbatches=2,
+        data_parallel=2,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        balance="uniform",
+    )
+    pipelined = _compile(strategy.split(_model("mlp")))
+    assert [len(stages) for stages in pipelined.replicas] == [2 * virtual_stages] * 2
+    _assert_trains_like_reference("mlp", pipelined)
+
+
 def _variables(stages):
     return [v for stage in stages for v in stage.trainable_variables]
 

@@ -113,6 +113,8 @@ def train(
     delete_checkpoint=True,
     print_steps=False,
     samples=NUM_SAMPLES,
+    async_save=True,
+    callback_class=None,
 ):
     """Trains once (resuming from `backup_dir` if it holds a backup); returns a result dict."""
     import time
@@ -129,8 +131,12 @@ def train(
             backup_dir, save_freq=save_freq, delete_checkpoint=delete_checkpoint
         )
     else:
-        backup = tfscale.callbacks.BackupAndRestore(
-            backup_dir, save_freq=save_freq, max_to_keep=max_to_keep, delete_checkpoint=delete_checkpoint
+        backup = (callback_class or tfscale.callbacks.BackupAndRestore)(
+            backup_dir,
+            save_freq=save_freq,
+            max_to_keep=max_to_keep,
+            delete_checkpoint=delete_checkpoint,
+            async_save=async_save,
         )
     counter = step_counter(print_steps)
     # The counter goes first: it reports a finished step even when the backup callback then exits.

@@ -6,7 +6,6 @@ steps after a backup run while it is in flight.
 
 import os
 import re
-import threading
 import time
 
 import _backup_workers as workers
@@ -18,24 +17,6 @@ import tfscale.callbacks
 from tfscale.callbacks import _backup_store
 
 __all__ = ["reference", "small_tmpfs"]  # fixtures used here
-
-
-def _slow_callback(seconds, log=None):
-    """A BackupAndRestore whose store takes `seconds` longer per write (records the thread)."""
-
-    class SlowStore(_backup_store.BackupStore):
-        def write(self, step, meta, arrays):
-            if log is not None:
-                log.append((step, threading.current_thread().name))
-            time.sleep(seconds)
-            return super().write(step, meta, arrays)
-
-    class SlowBackup(tfscale.callbacks.BackupAndRestore):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._store = SlowStore(self.backup_dir, self.max_to_keep)
-
-    return SlowBackup
 
 
 def _weights_at_each_step():
@@ -58,7 +39,7 @@ def test_writes_off_the_training_thread_from_a_copy_and_skips_none(tmp_path):
 
     writes = []
     model = workers.build_model(tfscale.strategies.get("one_device"))
-    backup = _slow_callback(0.05, writes)(
+    backup = workers.slow_backup_class(0.05, writes)(
         str(tmp_path / "b"), save_freq=5, max_to_keep=100, delete_checkpoint=False
     )
     record = _weights_at_each_step()
@@ -98,7 +79,7 @@ def test_background_write_error_raises_at_next_step_and_keeps_last_backup(small_
 
 def test_fit_that_raises_mid_write_publishes_it_and_next_fit_resumes_from_it(tmp_path, reference):
     backup_dir = str(tmp_path / "b")
-    slow = _slow_callback(0.5)
+    slow = workers.slow_backup_class(0.5)
     with pytest.raises(tfscale.callbacks.InjectedFault):
         # Raises at step 11, while the backup of step 10 is still being written.
         workers.train(backup_dir, fail={"step": 11, "mode": "raise"}, callback_class=slow)
@@ -113,7 +94,9 @@ def test_sigterm_backup_is_written_before_exit_even_with_a_write_in_flight(tmp_p
     backup_dir = str(tmp_path / "b")
     with pytest.raises(SystemExit) as exited:
         # SIGTERM noticed after step 10 (backup of 10 in flight), saved synchronously after 11.
-        workers.train(backup_dir, fail={"step": 9, "mode": "sigterm"}, callback_class=_slow_callback(0.3))
+        workers.train(
+            backup_dir, fail={"step": 9, "mode": "sigterm"}, callback_class=workers.slow_backup_class(0.3)
+        )
     assert exited.value.code == tfscale.callbacks.RESTART_EXIT_CODE
     assert sorted(os.listdir(backup_dir)) == ["ckpt-000000000011"]  # published, and 10 pruned
     resumed = workers.train(backup_dir)

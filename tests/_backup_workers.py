@@ -138,7 +138,7 @@ def train(
     delete_checkpoint=True,
     print_steps=False,
     samples=NUM_SAMPLES,
-    async_save=True,
+    async_save=None,
     callback_class=None,
     slow_write=0.0,
 ):
@@ -164,7 +164,7 @@ def train(
             save_freq=save_freq,
             max_to_keep=max_to_keep,
             delete_checkpoint=delete_checkpoint,
-            async_save=async_save,
+            **({} if async_save is None else {"async_save": async_save}),
         )
     counter = step_counter(print_steps)
     # The counter goes first: it reports a finished step even when the backup callback then exits.

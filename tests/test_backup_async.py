@@ -40,7 +40,7 @@ def test_writes_off_the_training_thread_from_a_copy_and_skips_none(tmp_path):
     writes = []
     model = workers.build_model(tfscale.strategies.get("one_device"))
     backup = workers.slow_backup_class(0.05, writes)(
-        str(tmp_path / "b"), save_freq=5, max_to_keep=100, delete_checkpoint=False
+        str(tmp_path / "b"), save_freq=5, max_to_keep=100, delete_checkpoint=False, async_save=True
     )
     record = _weights_at_each_step()
     start = time.perf_counter()
@@ -82,9 +82,9 @@ def test_fit_that_raises_mid_write_publishes_it_and_next_fit_resumes_from_it(tmp
     slow = workers.slow_backup_class(0.5)
     with pytest.raises(tfscale.callbacks.InjectedFault):
         # Raises at step 11, while the backup of step 10 is still being written.
-        workers.train(backup_dir, fail={"step": 11, "mode": "raise"}, callback_class=slow)
+        workers.train(backup_dir, fail={"step": 11, "mode": "raise"}, callback_class=slow, async_save=True)
     # A new callback (a fresh `fit`) waits for that write instead of resuming from step 5.
-    resumed = workers.train(backup_dir)
+    resumed = workers.train(backup_dir, async_save=True)
     assert resumed["restored"]["global_step"] == 10
     assert resumed["steps_run"] == TOTAL_STEPS - 10
     assert max_diff(resumed, reference()) <= 1e-6
@@ -95,11 +95,14 @@ def test_sigterm_backup_is_written_before_exit_even_with_a_write_in_flight(tmp_p
     with pytest.raises(SystemExit) as exited:
         # SIGTERM noticed after step 10 (backup of 10 in flight), saved synchronously after 11.
         workers.train(
-            backup_dir, fail={"step": 9, "mode": "sigterm"}, callback_class=workers.slow_backup_class(0.3)
+            backup_dir,
+            fail={"step": 9, "mode": "sigterm"},
+            callback_class=workers.slow_backup_class(0.3),
+            async_save=True,
         )
     assert exited.value.code == tfscale.callbacks.RESTART_EXIT_CODE
     assert sorted(os.listdir(backup_dir)) == ["ckpt-000000000011"]  # published, and 10 pruned
-    resumed = workers.train(backup_dir)
+    resumed = workers.train(backup_dir, async_save=True)
     assert resumed["steps_run"] == TOTAL_STEPS - 11
     assert max_diff(resumed, reference()) <= 1e-6
 

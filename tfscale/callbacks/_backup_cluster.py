@@ -51,6 +51,10 @@ def all_agree(strategy, value):
         per_replica = strategy.run(tf.identity, args=(x,))
         return strategy.reduce("SUM", per_replica, axis=None)
 
+    # Traced once per restore: TensorFlow's "frequent retracing" count would mistake
+    # many short `fit`s in one process for retracing.
+    if hasattr(sum_across_workers, "_omit_frequent_tracing_warning"):
+        sum_across_workers._omit_frequent_tracing_warning = True
     n = strategy.num_replicas_in_sync
     mean = float(sum_across_workers(tf.constant(float(value), tf.float64))) / n
     return float(sum_across_workers(tf.constant(float(value != mean), tf.float64))) == 0.0

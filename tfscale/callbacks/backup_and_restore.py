@@ -67,6 +67,18 @@ def _check_args(
         raise bad("max_to_keep", max_to_keep, f"None or an integer >= {least}")
 
 
+def _quiet_tracing(function):
+    """Stops TensorFlow's "triggered tf.function retracing" warning for `function`.
+
+    Each `fit` traces its own snapshot function once (it captures that model's
+    variables); TensorFlow counts traces by source line, so a process that runs many
+    short `fit`s would warn although no function is ever retraced.
+    """
+    if hasattr(function, "_omit_frequent_tracing_warning"):
+        function._omit_frequent_tracing_warning = True
+    return function
+
+
 def _signature(variables):
     return [[v.path, list(v.shape), str(v.dtype)] for v in variables]
 
@@ -176,7 +188,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             due while the previous one is still being written waits for it (none is
             skipped). A failed background write raises `BackupWriteError` at the next
             step. The SIGTERM backup is written synchronously, and `fit` ends only
-            after the last write is published.
+            after the last write is published. The price: a crash while a write is in
+            flight loses that backup too (up to `save_freq` + the steps run during the
+            write, instead of `save_freq`), and after a `fit` that raised the write in
+            flight is still published (the next `fit` waits for it). Off by default,
+            like Keras, TensorFlow and Orbax: a backup is on disk when its step ends.
 
     Raises:
         BackupError: an argument is invalid.
@@ -191,7 +207,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         *,
         max_to_keep=None,
         save_before_preemption=True,
-        async_save=True,
+        async_save=False,
     ):
         super().__init__()
         _check_args(
@@ -258,14 +274,19 @@ class BackupAndRestore(keras.callbacks.Callback):
         collective that warns about eager overhead. `np.array` copies, so the steps that
         run while a background write is in flight cannot change what it writes.
         """
+        return [np.array(t.numpy()) for t in self._snapshot_function()()]
+
+    def _snapshot_function(self):
+        """The tf.function that reads every variable, traced once per set of variables."""
         model_vars, opt_vars = self._variables()
         variables = model_vars + opt_vars
         key = tuple(id(v) for v in variables)
         if key != self._read_key:
             values = [v.value for v in variables]
-            self._read_fn = tf.function(lambda: [tf.identity(v) for v in values])
+            self._read_fn = _quiet_tracing(tf.function(lambda: [tf.identity(v) for v in values]))
+            self._read_fn.get_concrete_function()  # traced now, not in the first backup's step
             self._read_key = key
-        return [np.array(t.numpy()) for t in self._read_fn()]
+        return self._read_fn
 
     def _raise_write_error(self):
         error = self._writer.take_error()
@@ -435,7 +456,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         # A `fit` that raised may have left a write in flight (this callback's or
         # another one's on the same directory): look for backups only once it is done.
         self._writer.wait()
-        self._writer.take_error()  # from a `fit` that raised: that backup is simply absent
+        error = self._writer.take_error()
+        if error is not None:  # no training thread is left to raise it: that backup is absent
+            _log.warning("tfscale: the last background backup of the previous fit failed: %s", error)
         wait_for_directory(self.backup_dir, current=self._writer)
         self._check_backup_dir()
         epoch_iterator = keras_fit_position.find_epoch_iterator(self.model)
@@ -452,6 +475,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         if backup is not None:
             self._restore(backup)
+        self._snapshot_function()
         self._preemption = None
         if self.save_before_preemption:
             self._preemption = PreemptionWatch(

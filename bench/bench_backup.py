@@ -156,7 +156,9 @@ def _fit_once(kind, save_freq, steps_per_epoch, workdir, async_save=False, *, tr
     }
 
 
-def _save_costs(steps_per_epoch, repeat):
+def _save_costs(steps_per_epoch, repeat, only=None):
+    import numpy as np
+
     workdir = tempfile.mkdtemp(prefix="tfscale-bench-backup-")
     rows, failures = {}, {}
     variants = (
@@ -174,6 +176,8 @@ def _save_costs(steps_per_epoch, repeat):
         ("async 2", "tfscale", 2, True),
     )
     for label, kind, freq, async_save in variants:
+        if only and label not in only and label != "no callback":
+            continue
         # The machine may be shared: keep the fastest of `repeat` fits of each variant.
         try:
             runs = [_fit_once(kind, freq, steps_per_epoch, workdir, async_save) for _ in range(repeat)]
@@ -187,7 +191,7 @@ def _save_costs(steps_per_epoch, repeat):
         f"batch 32, Adam; best of {repeat} fits"
     )
     print(
-        f"{'callback, save_freq':>20} {'fit s':>7} {'step ms':>8} {'saves':>5} {'ms/save':>8} "
+        f"{'callback, save_freq':>20} {'fit s':>7} {'step ms':>8} {'saves':>5} {'ms/save':>8} {'median':>6} "
         f"{'waits':>5} {'MB/backup':>9} "
         f"{'share':>7} {'vs no callback':>14}"
     )
@@ -204,6 +208,7 @@ def _save_costs(steps_per_epoch, repeat):
         )
         print(
             f"{label:>20} {r['seconds']:>7.2f} {r['step_ms']:>8.2f} {r['saves']:>5} {per_save:>8.2f} "
+            f"{1000 * float(np.median(r['save_seconds'] or [0])):>6.2f} "
             f"{r['waits']:>5} {mb:>9.2f} "
             f"{100 * share:>6.1f}% {100 * r['overhead']:>+13.1f}%"
         )
@@ -282,9 +287,10 @@ def main(argv=None):
     parser.add_argument("--steps_per_epoch", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip_restart", action="store_true")
+    parser.add_argument("--only", nargs="*", help="variant labels to run (with 'no callback')")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    results = {"save_cost": _save_costs(args.steps_per_epoch, args.repeat)}
+    results = {"save_cost": _save_costs(args.steps_per_epoch, args.repeat, args.only)}
     results["peak_memory"] = _peak_memory(min(args.steps_per_epoch, 256))
     if not args.skip_restart:
         results["restart"] = _restart_times()

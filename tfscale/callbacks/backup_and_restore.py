@@ -274,7 +274,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         collective that warns about eager overhead. `np.array` copies, so the steps that
         run while a background write is in flight cannot change what it writes.
         """
-        return [np.array(t.numpy()) for t in self._snapshot_function()()]
+        # `Tensor.numpy()` copies (documented); asarray only turns scalars into 0-d arrays.
+        return [np.asarray(t.numpy()) for t in self._snapshot_function()()]
 
     def _snapshot_function(self):
         """The tf.function that reads every variable, traced once per set of variables."""

@@ -1,9 +1,16 @@
 """Cost of `tfscale.callbacks.BackupAndRestore`: per save, share of step time, restart to first step.
 
 Part 1 (in this process): a small MLP (~285k parameters, Adam) trains 2 epochs x 512
-steps with no backup, with `save_freq="epoch"` and with `save_freq=100`; prints the
-cost of one save (weights + optimizer state written, fsynced, renamed), the size of a
-backup, and the share of training time spent saving.
+steps with no backup, with `save_freq="epoch"` and with `save_freq=100`, with
+`async_save` on and off side by side; prints the time each save takes on the training
+thread (async: the snapshot to host memory, plus any wait for the previous write), the
+size of a backup, the share of fit time spent saving on the training thread, and the
+whole fit against no callback (which also counts the background thread's CPU use).
+`save_freq=2` with async shows what happens when a backup is due while the previous one
+is still being written (it waits: the `waits` column).
+
+Part 1b: peak extra host memory of one fit with backups (tracemalloc: numpy copies and
+write buffers, which is where the snapshot lives), next to the size of the state.
 
 Part 2 (real processes): the training of `tests/_backup_workers.py` with 1024 steps an
 epoch is SIGKILLed at step 900 and restarted; prints the time from the restarted
@@ -22,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "..", "tests", "_backup_workers.py")
@@ -34,30 +42,72 @@ def _timed_callback_class():
         """Records how long each save takes (the real `_save`, timed from outside)."""
 
         save_seconds = ()
+        writer_waits = 0
 
         def _save(self, *args, **kwargs):
             start = time.perf_counter()
             super()._save(*args, **kwargs)
             self.save_seconds = (*self.save_seconds, time.perf_counter() - start)
+            self.writer_waits = self._writer.waits
 
     return TimedBackup
 
 
-def _callbacks(kind, save_freq, backup_dir):
+def _tf_checkpoint_callback(save_freq, backup_dir, async_save):
+    """The library alternative: `tf.train.Checkpoint.write` every `save_freq` steps, timed.
+
+    TensorFlow's own format (shards written where the variables live, optional async
+    write); no manifest, checksum, publication by rename, fallback or input position.
+    """
+    import keras
+    import tensorflow as tf
+
+    class TfCheckpoint(keras.callbacks.Callback):
+        save_seconds = ()
+        writer_waits = 0
+
+        def on_train_begin(self, logs=None):
+            self.backup_dir = backup_dir
+            self._ckpt = tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer)
+            self._options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=async_save)
+            self._n = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self._n += 1
+            if self._n % save_freq == 0:
+                start = time.perf_counter()
+                self._ckpt.write(os.path.join(backup_dir, f"ckpt-{self._n}"), options=self._options)
+                self.save_seconds = (*self.save_seconds, time.perf_counter() - start)
+
+        def on_train_end(self, logs=None):
+            self._ckpt.sync()  # async writes finish here (counted in fit time, not per save)
+
+    return TfCheckpoint()
+
+
+def _callbacks(kind, save_freq, backup_dir, async_save=False):
     import keras
 
     if kind == "none":
         return []
+    if kind == "tf.train.Checkpoint":
+        return [_tf_checkpoint_callback(save_freq, backup_dir, async_save)]
     if kind == "keras":
         return [keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq, delete_checkpoint=False)]
     preemption = kind == "tfscale"
     timed = _timed_callback_class()
     return [
-        timed(backup_dir, save_freq=save_freq, delete_checkpoint=False, save_before_preemption=preemption)
+        timed(
+            backup_dir,
+            save_freq=save_freq,
+            delete_checkpoint=False,
+            save_before_preemption=preemption,
+            async_save=async_save,
+        )
     ]
 
 
-def _fit_once(kind, save_freq, steps_per_epoch, workdir):
+def _fit_once(kind, save_freq, steps_per_epoch, workdir, async_save=False, *, trace_memory=False):
     import keras
     import numpy as np
 
@@ -77,10 +127,17 @@ def _fit_once(kind, save_freq, steps_per_epoch, workdir):
     model.compile(keras.optimizers.Adam(1e-3), "mse")
     model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)  # trace once, outside the timing
     # A fresh directory per fit: with `delete_checkpoint=False` a reused one would resume a finished run.
-    callbacks = _callbacks(kind, save_freq, os.path.join(tempfile.mkdtemp(dir=workdir), "backup"))
+    callbacks = _callbacks(kind, save_freq, os.path.join(tempfile.mkdtemp(dir=workdir), "backup"), async_save)
+    if trace_memory:
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
     start = time.perf_counter()
     model.fit(x, y, batch_size=batch, epochs=2, callbacks=callbacks, verbose=0)
     total = time.perf_counter() - start
+    peak_extra = None
+    if trace_memory:
+        peak_extra = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.stop()
     saves = getattr(callbacks[0], "save_seconds", ()) if callbacks else ()
     size = 0
     if callbacks:
@@ -93,23 +150,40 @@ def _fit_once(kind, save_freq, steps_per_epoch, workdir):
         "saves": len(saves),
         "save_seconds": list(saves),
         "disk_bytes": size,
+        "waits": getattr(callbacks[0], "writer_waits", 0) if callbacks else 0,
+        "state_bytes": sum(v.value.numpy().nbytes for v in model.variables + model.optimizer.variables),
+        "peak_extra_bytes": peak_extra,
     }
 
 
-def _save_costs(steps_per_epoch, repeat):
+def _save_costs(steps_per_epoch, repeat, only=None):
+    import numpy as np
+
     workdir = tempfile.mkdtemp(prefix="tfscale-bench-backup-")
-    rows = {}
+    rows, failures = {}, {}
     variants = (
-        ("no callback", "none", None),
-        ("keras epoch", "keras", "epoch"),
-        ("keras 100", "keras", 100),
-        ("tfscale epoch", "tfscale", "epoch"),
-        ("tfscale 100", "tfscale", 100),
-        ("... no SIGTERM", "tfscale-nopreempt", 100),
+        ("no callback", "none", None, False),
+        ("keras epoch", "keras", "epoch", False),
+        ("keras 100", "keras", 100, False),
+        ("sync epoch", "tfscale", "epoch", False),
+        ("async epoch", "tfscale", "epoch", True),
+        ("sync 100", "tfscale", 100, False),
+        ("async 100", "tfscale", 100, True),
+        ("async 100 no SIGTERM", "tfscale-nopreempt", 100, True),
+        ("tf.train.Checkpoint 100", "tf.train.Checkpoint", 100, False),
+        ("... async", "tf.train.Checkpoint", 100, True),
+        ("sync 2", "tfscale", 2, False),
+        ("async 2", "tfscale", 2, True),
     )
-    for label, kind, freq in variants:
+    for label, kind, freq, async_save in variants:
+        if only and label not in only and label != "no callback":
+            continue
         # The machine may be shared: keep the fastest of `repeat` fits of each variant.
-        runs = [_fit_once(kind, freq, steps_per_epoch, workdir) for _ in range(repeat)]
+        try:
+            runs = [_fit_once(kind, freq, steps_per_epoch, workdir, async_save) for _ in range(repeat)]
+        except Exception as e:  # TF's async checkpoint cannot copy Keras 3 variables (TF 2.21)
+            failures[label] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:150]}"
+            continue
         rows[label] = min(runs, key=lambda r: r["seconds"])
     base = rows["no callback"]["seconds"]
     print(
@@ -117,8 +191,8 @@ def _save_costs(steps_per_epoch, repeat):
         f"batch 32, Adam; best of {repeat} fits"
     )
     print(
-        f"{'callback, save_freq':>19} {'fit s':>7} {'step ms':>8} {'saves':>5} {'ms/save':>8} "
-        f"{'MB/backup':>9} "
+        f"{'callback, save_freq':>20} {'fit s':>7} {'step ms':>8} {'saves':>5} {'ms/save':>8} {'median':>6} "
+        f"{'waits':>5} {'MB/backup':>9} "
         f"{'share':>7} {'vs no callback':>14}"
     )
     for label, r in rows.items():
@@ -133,9 +207,27 @@ def _save_costs(steps_per_epoch, repeat):
             overhead=r["seconds"] / base - 1,
         )
         print(
-            f"{label:>19} {r['seconds']:>7.2f} {r['step_ms']:>8.2f} {r['saves']:>5} {per_save:>8.1f} "
-            f"{mb:>9.2f} "
+            f"{label:>20} {r['seconds']:>7.2f} {r['step_ms']:>8.2f} {r['saves']:>5} {per_save:>8.2f} "
+            f"{1000 * float(np.median(r['save_seconds'] or [0])):>6.2f} "
+            f"{r['waits']:>5} {mb:>9.2f} "
             f"{100 * share:>6.1f}% {100 * r['overhead']:>+13.1f}%"
+        )
+    for label, error in failures.items():
+        print(f"{label:>20} failed: {error}")
+    print("ms/save: time on the training thread; share: of fit time; vs no callback: whole fit")
+    return {**rows, **{label: {"error": error} for label, error in failures.items()}}
+
+
+def _peak_memory(steps_per_epoch):
+    workdir = tempfile.mkdtemp(prefix="tfscale-bench-memory-")
+    rows = {}
+    for label, freq, async_save in (("sync 100", 100, False), ("async 100", 100, True)):
+        rows[label] = _fit_once("tfscale", freq, steps_per_epoch, workdir, async_save, trace_memory=True)
+    print("peak extra host memory during fit (tracemalloc), against the state's size:")
+    for label, r in rows.items():
+        print(
+            f"{label:>20} peak {r['peak_extra_bytes'] / 2**20:6.2f} MB, "
+            f"state {r['state_bytes'] / 2**20:6.2f} MB ({r['peak_extra_bytes'] / r['state_bytes']:.2f}x)"
         )
     return rows
 
@@ -195,9 +287,11 @@ def main(argv=None):
     parser.add_argument("--steps_per_epoch", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip_restart", action="store_true")
+    parser.add_argument("--only", nargs="*", help="variant labels to run (with 'no callback')")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    results = {"save_cost": _save_costs(args.steps_per_epoch, args.repeat)}
+    results = {"save_cost": _save_costs(args.steps_per_epoch, args.repeat, args.only)}
+    results["peak_memory"] = _peak_memory(min(args.steps_per_epoch, 256))
     if not args.skip_restart:
         results["restart"] = _restart_times()
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

@@ -80,6 +80,31 @@ def _strategy(name):
     return tfscale.strategies.get(name)
 
 
+def slow_backup_class(seconds, log=None):
+    """`BackupAndRestore` whose store takes `seconds` longer per write (a real sleep in the
+    real write), so that kills and steps land while a background write is in flight.
+    `log`, if given, gets `(step, thread name)` per write."""
+    import threading
+    import time
+
+    import tfscale.callbacks
+    from tfscale.callbacks import _backup_store
+
+    class SlowStore(_backup_store.BackupStore):
+        def write(self, step, meta, arrays):
+            if log is not None:
+                log.append((step, threading.current_thread().name))
+            time.sleep(seconds)
+            return super().write(step, meta, arrays)
+
+    class SlowBackup(tfscale.callbacks.BackupAndRestore):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._store = SlowStore(self.backup_dir, self.max_to_keep)
+
+    return SlowBackup
+
+
 def build_model(strategy, steps_per_execution=1, units=16):
     import keras
 
@@ -113,6 +138,9 @@ def train(
     delete_checkpoint=True,
     print_steps=False,
     samples=NUM_SAMPLES,
+    async_save=None,
+    callback_class=None,
+    slow_write=0.0,
 ):
     """Trains once (resuming from `backup_dir` if it holds a backup); returns a result dict."""
     import time
@@ -129,8 +157,14 @@ def train(
             backup_dir, save_freq=save_freq, delete_checkpoint=delete_checkpoint
         )
     else:
-        backup = tfscale.callbacks.BackupAndRestore(
-            backup_dir, save_freq=save_freq, max_to_keep=max_to_keep, delete_checkpoint=delete_checkpoint
+        if slow_write and callback_class is None:
+            callback_class = slow_backup_class(slow_write)
+        backup = (callback_class or tfscale.callbacks.BackupAndRestore)(
+            backup_dir,
+            save_freq=save_freq,
+            max_to_keep=max_to_keep,
+            delete_checkpoint=delete_checkpoint,
+            **({} if async_save is None else {"async_save": async_save}),
         )
     counter = step_counter(print_steps)
     # The counter goes first: it reports a finished step even when the backup callback then exits.

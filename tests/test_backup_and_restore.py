@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import tfscale.callbacks
-from tfscale.callbacks import _backup_store
+from tfscale.callbacks import _backup_store, _backup_writer
 from tfscale.launch import run_local_cluster
 
 TOTAL_STEPS = 48  # 3 epochs x 16 steps (128 samples, batch 8)
@@ -29,6 +29,11 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "_backup_workers.py")
 
 def max_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a["weights"], b["weights"]))
+
+
+def settle(backup_dir):
+    """After a `fit` that raised: waits for its background write (async_save) to publish."""
+    _backup_writer.wait_for_directory(str(backup_dir))
 
 
 def interrupt_then_resume(backup_dir, fail_step, **kwargs):
@@ -168,6 +173,7 @@ def test_torn_newest_backup_falls_back_to_previous(tmp_path, reference, caplog):
     backup_dir = tmp_path / "b"
     with pytest.raises(tfscale.callbacks.InjectedFault):
         workers.train(str(backup_dir), max_to_keep=2, fail={"step": 22, "mode": "raise"})
+    settle(backup_dir)
     assert backups(backup_dir) == ["ckpt-000000000015", "ckpt-000000000020"]
     _truncate(str(backup_dir / "ckpt-000000000020" / "state.npz"))
     with caplog.at_level(logging.WARNING, logger="tfscale"):
@@ -407,9 +413,12 @@ def test_multi_worker_kill_one_worker_restart_all_resumes_exactly(tmp_path, clus
         backup_dir, fail={"step": 13, "mode": "sigkill", "task": ("worker", 1)}, print_steps=True
     )
     assert killed[1].returncode == -9 and not killed[0].ok
-    assert os.listdir(backup_dir) == ["ckpt-000000000010"]  # one writer, one complete backup
+    # One writer, one complete backup (written in the background long before the kill at 13).
+    assert os.listdir(backup_dir) == ["ckpt-000000000010"]
     resumed = cluster(backup_dir)
     assert all(r.ok for r in resumed), resumed[1].log[-2000:]
+    for r in (*killed, *resumed):  # variables read in one tf.function, not one eager collective each
+        assert "eagerly has significant overhead" not in r.log, r.log[-2000:]
     restored = {r.value["restored"]["global_step"] for r in resumed}
     assert restored == {10}  # both workers restored the same backup
     for r, reference_run in zip(resumed, ref):
@@ -583,6 +592,7 @@ def test_mismatch_found_late_assigns_no_variable(tmp_path):
     backup_dir = tmp_path / "b"
     with pytest.raises(tfscale.callbacks.InjectedFault):
         workers.train(str(backup_dir), fail={"step": 12, "mode": "raise"})
+    settle(backup_dir)
     manifest_path = backup_dir / "ckpt-000000000010" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["meta"]["optimizer_variables"][-1][0] = "adam/renamed"
@@ -729,7 +739,7 @@ def _bad_constructor_inputs():
         yield {"backup_dir": value}, "backup_dir"
     for value in [*odd, True, 0, -5, "Epoch", "", "10", 2.0]:
         yield {"save_freq": value}, "save_freq"
-    for name in ("double_checkpoint", "delete_checkpoint", "save_before_preemption"):
+    for name in ("double_checkpoint", "delete_checkpoint", "save_before_preemption", "async_save"):
         for value in (None, 0, 1, "True", []):
             yield {name: value}, name
     for value in (0, -1, "2", True, 1.0):

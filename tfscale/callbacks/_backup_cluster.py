@@ -38,18 +38,23 @@ def role(strategy, environ=None):
     return Role(task_type, task_id, spec.num_workers or 1, spec.is_writer)
 
 
-def _sum_across_workers(strategy, value):
-    local = tf.constant(value, tf.float64)
-    per_replica = strategy.run(lambda: tf.identity(local))
-    return float(strategy.reduce("SUM", per_replica, axis=None).numpy())
-
-
 def all_agree(strategy, value):
     """True when every replica of every worker passed the same integer (two all-reduces).
 
     Only meaningful under `MultiWorkerMirroredStrategy`, where each worker read the
     backup directory on its own; every worker must call it.
     """
+
+    # In a tf.function: run/reduce called eagerly warn about their overhead once each.
+    @tf.function
+    def sum_across_workers(x):
+        per_replica = strategy.run(tf.identity, args=(x,))
+        return strategy.reduce("SUM", per_replica, axis=None)
+
+    # Traced once per restore: TensorFlow's "frequent retracing" count would mistake
+    # many short `fit`s in one process for retracing.
+    if hasattr(sum_across_workers, "_omit_frequent_tracing_warning"):
+        sum_across_workers._omit_frequent_tracing_warning = True
     n = strategy.num_replicas_in_sync
-    mean = _sum_across_workers(strategy, float(value)) / n
-    return _sum_across_workers(strategy, float(value != mean)) == 0.0
+    mean = float(sum_across_workers(tf.constant(float(value), tf.float64))) / n
+    return float(sum_across_workers(tf.constant(float(value != mean), tf.float64))) == 0.0

@@ -1,5 +1,6 @@
 """`BackupAndRestore`: Keras's callback, made atomic, multi-worker safe and exact mid-epoch."""
 
+import functools
 import logging
 import os
 import re
@@ -12,6 +13,7 @@ import tensorflow as tf
 from tfscale.callbacks import _backup_cluster
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
 from tfscale.callbacks._backup_store import BackupStore, UnusableBackupError
+from tfscale.callbacks._backup_writer import BackgroundWriter, wait_for_directory
 from tfscale.compat import keras_fit_position
 from tfscale.errors import Error
 
@@ -39,7 +41,9 @@ class BackupWriteError(BackupError, OSError):
     """`backup_dir` cannot take a backup (not a directory, read-only, full); the last one is kept."""
 
 
-def _check_args(backup_dir, save_freq, double_checkpoint, delete_checkpoint, *, max_to_keep, preemption):
+def _check_args(
+    backup_dir, save_freq, double_checkpoint, delete_checkpoint, *, max_to_keep, preemption, async_save
+):
     def bad(name, value, expected):
         return BackupError(
             f"Invalid value for argument `{name}`. Received: {name}={value!r}. Expected {expected}."
@@ -54,12 +58,25 @@ def _check_args(backup_dir, save_freq, double_checkpoint, delete_checkpoint, *, 
         ("double_checkpoint", double_checkpoint),
         ("delete_checkpoint", delete_checkpoint),
         ("save_before_preemption", preemption),
+        ("async_save", async_save),
     ):
         if not isinstance(value, bool):
             raise bad(name, value, "True or False")
     least = 2 if double_checkpoint else 1
     if max_to_keep is not None and (type(max_to_keep) is not int or max_to_keep < least):
         raise bad("max_to_keep", max_to_keep, f"None or an integer >= {least}")
+
+
+def _quiet_tracing(function):
+    """Stops TensorFlow's "triggered tf.function retracing" warning for `function`.
+
+    Each `fit` traces its own snapshot function once (it captures that model's
+    variables); TensorFlow counts traces by source line, so a process that runs many
+    short `fit`s would warn although no function is ever retraced.
+    """
+    if hasattr(function, "_omit_frequent_tracing_warning"):
+        function._omit_frequent_tracing_warning = True
+    return function
 
 
 def _signature(variables):
@@ -142,7 +159,9 @@ class BackupAndRestore(keras.callbacks.Callback):
       worker restores the same backup (checked with an all-reduce);
     - on SIGTERM, saves at the next step boundary (the same step on every worker) and
       exits with `RESTART_EXIT_CODE` (75), so a supervisor restarts the job;
-    - refuses, with `BackupMismatchError`, a backup made by a different model.
+    - refuses, with `BackupMismatchError`, a backup made by a different model;
+    - with `async_save=True`, costs the training step only a copy of the state to
+      host memory: the write happens on a background thread (see `async_save`).
 
     Example:
 
@@ -164,6 +183,16 @@ class BackupAndRestore(keras.callbacks.Callback):
             else 1). A new backup is always published before old ones are removed.
         save_before_preemption: on SIGTERM, back up at the next step and exit with
             `RESTART_EXIT_CODE` (TensorFlow's `PreemptionCheckpointHandler`).
+        async_save: write backups on a background thread. The training thread copies
+            the state to host memory (one extra copy at most) and goes on; a backup
+            due while the previous one is still being written waits for it (none is
+            skipped). A failed background write raises `BackupWriteError` at the next
+            step. The SIGTERM backup is written synchronously, and `fit` ends only
+            after the last write is published. The price: a crash while a write is in
+            flight loses that backup too (up to `save_freq` + the steps run during the
+            write, instead of `save_freq`), and after a `fit` that raised the write in
+            flight is still published (the next `fit` waits for it). Off by default,
+            like Keras, TensorFlow and Orbax: a backup is on disk when its step ends.
 
     Raises:
         BackupError: an argument is invalid.
@@ -178,6 +207,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         *,
         max_to_keep=None,
         save_before_preemption=True,
+        async_save=False,
     ):
         super().__init__()
         _check_args(
@@ -187,6 +217,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             delete_checkpoint,
             max_to_keep=max_to_keep,
             preemption=save_before_preemption,
+            async_save=async_save,
         )
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
@@ -194,7 +225,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.max_to_keep = max_to_keep or (2 if double_checkpoint else 1)
         self.save_before_preemption = save_before_preemption
+        self.async_save = async_save
         self._store = BackupStore(self.backup_dir, self.max_to_keep)
+        self._writer = BackgroundWriter(self.backup_dir)
+        self._read_key, self._read_fn = None, None
         self.restored_from = None  # meta of the backup the last `fit` resumed from
 
     # --- the training state ---------------------------------------------------------
@@ -232,36 +266,86 @@ class BackupAndRestore(keras.callbacks.Callback):
             "keras": keras.__version__,
         }
 
-    def _save(self, at_epoch_end=False, reason="scheduled"):
+    def _snapshot(self):
+        """Host copies of every variable (model, then optimizer), read in one tf.function.
+
+        One function call instead of one eager read per variable: under
+        `MultiWorkerMirroredStrategy` each eager read of a sync-on-read variable is a
+        collective that warns about eager overhead. `np.array` copies, so the steps that
+        run while a background write is in flight cannot change what it writes.
+        """
+        # `Tensor.numpy()` copies (documented); asarray only turns scalars into 0-d arrays.
+        return [np.asarray(t.numpy()) for t in self._snapshot_function()()]
+
+    def _snapshot_function(self):
+        """The tf.function that reads every variable, traced once per set of variables."""
+        model_vars, opt_vars = self._variables()
+        variables = model_vars + opt_vars
+        key = tuple(id(v) for v in variables)
+        if key != self._read_key:
+            values = [v.value for v in variables]
+            self._read_fn = _quiet_tracing(tf.function(lambda: [tf.identity(v) for v in values]))
+            self._read_fn.get_concrete_function()  # traced now, not in the first backup's step
+            self._read_key = key
+        return self._read_fn
+
+    def _raise_write_error(self):
+        error = self._writer.take_error()
+        if error is not None:
+            raise error
+
+    def _save(self, at_epoch_end=False, reason="scheduled", sync=False):
+        if sync:
+            # The process exits right after a synchronous (preemption) save: the write in
+            # flight is published first, and one that failed is retried, not lost.
+            self._writer.wait()
+            error, job = self._writer.take_failure()
+            if error is not None:
+                _log.warning("tfscale: a background backup failed (%s); saving synchronously", error)
+                if self._last_saved == self._global_step:
+                    job()  # its snapshot is this step's: no worker reads the variables again
+                    return
         if self._last_saved == self._global_step:
             return
-        model_vars, opt_vars = self._variables()
+        # At most one write in flight, and so at most one extra copy of the state: the
+        # next backup waits for the previous write before taking its snapshot.
+        self._writer.wait()
+        self._raise_write_error()
         # Every worker reads the values: reading a sync-on-read variable is a collective.
-        arrays = [np.asarray(v.value.numpy()) for v in model_vars + opt_vars]
+        arrays = self._snapshot()
         meta = self._meta(at_epoch_end)
         self._last_saved = self._global_step
         if not self._role.writer:
             return
+        job = functools.partial(
+            self._write, self._global_step, meta, arrays, reason, (self._epoch, self._step)
+        )
+        if self.async_save and not sync:
+            self._writer.submit(job)
+        else:
+            job()
+
+    def _write(self, global_step, meta, arrays, reason, position):
+        """Writes, publishes and prunes one backup (on the background thread if async)."""
         try:
-            path = self._store.write(self._global_step, meta, arrays)
-            self._store.prune(self._global_step)
+            path = self._store.write(global_step, meta, arrays)
+            self._store.prune(global_step)
         except OSError as e:
             where = e.filename or self.backup_dir
-            reason = e.strerror or (str(e.args[0]) if e.args else type(e).__name__)
+            why = e.strerror or (str(e.args[0]) if e.args else type(e).__name__)
             newest = self._store.published()
             kept = os.path.join(self.backup_dir, newest[0]) if newest else "none"
             raise BackupWriteError(
-                f"Could not write the backup of step {self._global_step} to {where!r}: "
-                f"{reason}. The last backup is kept ({kept}). Expected a writable "
+                f"Could not write the backup of step {global_step} to {where!r}: "
+                f"{why}. The last backup is kept ({kept}). Expected a writable "
                 "`backup_dir` with room for a backup."
             ) from None
         _log.info(
             "tfscale: %s backup %s (epoch %d, step %d, global step %d)",
             reason,
             path,
-            self._epoch,
-            self._step,
-            self._global_step,
+            *position,
+            global_step,
         )
 
     def _check_compatible(self, backup):
@@ -370,6 +454,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch, self._step, self._global_step, self._last_saved = 0, 0, 0, None
         self.restored_from = None
         self._ensure_built()
+        # A `fit` that raised may have left a write in flight (this callback's or
+        # another one's on the same directory): look for backups only once it is done.
+        self._writer.wait()
+        error = self._writer.take_error()
+        if error is not None:  # no training thread is left to raise it: that backup is absent
+            _log.warning("tfscale: the last background backup of the previous fit failed: %s", error)
+        wait_for_directory(self.backup_dir, current=self._writer)
         self._check_backup_dir()
         epoch_iterator = keras_fit_position.find_epoch_iterator(self.model)
         self._tracker = (
@@ -385,12 +476,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         if backup is not None:
             self._restore(backup)
+        self._snapshot_function()
         self._preemption = None
         if self.save_before_preemption:
             self._preemption = PreemptionWatch(
                 strategy,
                 multi_worker=self._multi_worker,
-                save_fn=lambda: self._save(reason="preemption"),
+                # Synchronous: the process exits only after this backup is published.
+                save_fn=lambda: self._save(reason="preemption", sync=True),
                 unused_dir=os.path.join(self.backup_dir, ".tf-preemption-unused"),
                 in_fit=lambda frame, model=self.model: keras_fit_position.fit_on_stack(model, frame),
             )
@@ -403,6 +496,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._begin = batch
 
     def on_train_batch_end(self, batch, logs=None):
+        if self._writer.error is not None:
+            self._raise_write_error()  # the background write of an earlier backup failed
         done = batch - self._begin + 1
         before = self._global_step
         self._step = batch + 1
@@ -425,5 +520,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._tracker is not None:
             self._tracker.close()
         keras_fit_position.set_initial_epoch(self.model, None)
+        self._writer.wait()  # `fit` returns only after its last backup is published
+        self._raise_write_error()
         if self.delete_checkpoint and self._role.writer:
             self._store.remove_all()

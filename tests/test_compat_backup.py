@@ -98,3 +98,27 @@ def test_stop_watcher_threads_is_a_no_op_without_the_private_methods():
 @pytest.mark.parametrize("module", [keras_fit_position, tf_preemption_threads])
 def test_every_shim_names_its_versions_and_gate(module):
     assert "Checked on" in module.__doc__ and "Gate:" in module.__doc__
+
+
+def test_retracing_opt_out_still_exists_and_silences_the_warning(caplog):
+    # Fails when TensorFlow drops or renames the private attribute tfscale relies on
+    # (tfscale/compat/tf_function_tracing.py): then the gate and this shim can go.
+    import logging
+
+    import tensorflow as tf
+
+    from tfscale.compat import tf_function_tracing
+
+    assert tf_function_tracing.supported()
+
+    def make():
+        @tf.function
+        def f(x):
+            return x + 1
+
+        return f
+
+    with caplog.at_level(logging.WARNING):
+        for i in range(8):
+            tf_function_tracing.quiet_retracing(make())(tf.constant(float(i)))
+    assert "retracing" not in caplog.text

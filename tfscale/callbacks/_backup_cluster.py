@@ -5,6 +5,7 @@ import dataclasses
 import tensorflow as tf
 
 from tfscale.cluster import ClusterSpec
+from tfscale.compat import tf_function_tracing
 
 __all__ = ["Role", "all_agree", "role"]
 
@@ -53,8 +54,7 @@ def all_agree(strategy, value):
 
     # Traced once per restore: TensorFlow's "frequent retracing" count would mistake
     # many short `fit`s in one process for retracing.
-    if hasattr(sum_across_workers, "_omit_frequent_tracing_warning"):
-        sum_across_workers._omit_frequent_tracing_warning = True
+    tf_function_tracing.quiet_retracing(sum_across_workers)
     n = strategy.num_replicas_in_sync
     mean = float(sum_across_workers(tf.constant(float(value), tf.float64))) / n
     return float(sum_across_workers(tf.constant(float(value != mean), tf.float64))) == 0.0

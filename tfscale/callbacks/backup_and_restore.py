@@ -14,7 +14,7 @@ from tfscale.callbacks import _backup_cluster
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
 from tfscale.callbacks._backup_store import BackupStore, UnusableBackupError
 from tfscale.callbacks._backup_writer import BackgroundWriter, wait_for_directory
-from tfscale.compat import keras_fit_position
+from tfscale.compat import keras_fit_position, tf_function_tracing
 from tfscale.errors import Error
 
 __all__ = [
@@ -74,9 +74,7 @@ def _quiet_tracing(function):
     variables); TensorFlow counts traces by source line, so a process that runs many
     short `fit`s would warn although no function is ever retraced.
     """
-    if hasattr(function, "_omit_frequent_tracing_warning"):
-        function._omit_frequent_tracing_warning = True
-    return function
+    return tf_function_tracing.quiet_retracing(function)
 
 
 def _signature(variables):

@@ -14,6 +14,7 @@ from tfscale.cluster import ClusterSpec
 from tfscale.compat import collective_keys, keras_multi_worker
 from tfscale.strategies._devices import cpu_device_names, parse_device, split_cpu
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._peers import DEFAULT_CLUSTER_TIMEOUT, build_within, check_cluster_timeout
 
 __all__ = ["NAMES", "get"]
 
@@ -100,9 +101,16 @@ def _positive_number(value):
 
 
 def _multi_worker(
-    *, cluster, communication="auto", timeout_seconds=None, cluster_resolver=None, cpu_replicas=None
+    *,
+    cluster,
+    communication="auto",
+    timeout_seconds=None,
+    cluster_resolver=None,
+    cpu_replicas=None,
+    cluster_timeout=DEFAULT_CLUSTER_TIMEOUT,
 ):
     _choice("communication", communication, _COMMUNICATION)
+    cluster_timeout = check_cluster_timeout(cluster_timeout)
     if timeout_seconds is not None and not _positive_number(timeout_seconds):
         raise StrategyError(
             f"Invalid value for argument `timeout_seconds`. Received: "
@@ -116,8 +124,12 @@ def _multi_worker(
     if cluster_resolver is None and not cluster.is_local:
         cluster_resolver = cluster.to_resolver()  # Else TensorFlow's default: one local worker.
     keras_multi_worker.apply()
-    return keras_multi_worker.make_multi_worker_strategy(
-        cluster_resolver=cluster_resolver, communication_options=options, cpu_replicas=cpu_replicas
+    return build_within(
+        cluster,
+        cluster_timeout,
+        lambda: keras_multi_worker.make_multi_worker_strategy(
+            cluster_resolver=cluster_resolver, communication_options=options, cpu_replicas=cpu_replicas
+        ),
     )
 
 
@@ -146,7 +158,16 @@ def _tpu(*, tpu=None):
     return tf.distribute.TPUStrategy(resolver)
 
 
-def _auto(*, cluster, cpu_replicas=None, tpu=None, communication="auto", timeout_seconds=None):
+def _auto(
+    *,
+    cluster,
+    cpu_replicas=None,
+    tpu=None,
+    communication="auto",
+    timeout_seconds=None,
+    cluster_timeout=DEFAULT_CLUSTER_TIMEOUT,
+):
+    cluster_timeout = check_cluster_timeout(cluster_timeout)
     gpus = _num_gpus()
     name, reason = _choose_auto(
         tpu=_tpu_named(tpu, os.environ) or bool(tf.config.list_physical_devices("TPU")),
@@ -163,6 +184,7 @@ def _auto(*, cluster, cpu_replicas=None, tpu=None, communication="auto", timeout
             communication=communication,
             timeout_seconds=timeout_seconds,
             cpu_replicas=cpu_replicas,
+            cluster_timeout=cluster_timeout,
         )
     if name == "mirrored":
         return _mirrored(cpu_replicas=cpu_replicas) if cpu_replicas else _mirrored()

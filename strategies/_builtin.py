@@ -16,6 +16,7 @@ from tfscale.compat import collective_keys, keras_multi_worker, keras_optimizer
 from tfscale.strategies import _communication
 from tfscale.strategies._devices import cpu_device_names, parse_device, split_cpu
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._peers import DEFAULT_CLUSTER_TIMEOUT, build_within, check_cluster_timeout
 
 __all__ = ["NAMES", "get"]
 
@@ -126,8 +127,10 @@ def _multi_worker(
     cpu_replicas=None,
     gradient_compression=None,
     bytes_per_pack=0,
+    cluster_timeout=DEFAULT_CLUSTER_TIMEOUT,
 ):
     _choice("communication", communication, _COMMUNICATION)
+    cluster_timeout = check_cluster_timeout(cluster_timeout)
     if timeout_seconds is not None and not _positive_number(timeout_seconds):
         raise StrategyError(
             f"Invalid value for argument `timeout_seconds`. Received: "
@@ -148,8 +151,12 @@ def _multi_worker(
     )
     keras_multi_worker.apply()
     keras_optimizer.apply()
-    strategy = keras_multi_worker.make_multi_worker_strategy(
-        cluster_resolver=cluster_resolver, communication_options=options, cpu_replicas=cpu_replicas
+    strategy = build_within(
+        cluster,
+        cluster_timeout,
+        lambda: keras_multi_worker.make_multi_worker_strategy(
+            cluster_resolver=cluster_resolver, communication_options=options, cpu_replicas=cpu_replicas
+        ),
     )
     _communication.configure(strategy, **dataclasses.asdict(gradients))
     return strategy
@@ -180,7 +187,16 @@ def _tpu(*, tpu=None):
     return tf.distribute.TPUStrategy(resolver)
 
 
-def _auto(*, cluster, cpu_replicas=None, tpu=None, communication="auto", timeout_seconds=None):
+def _auto(
+    *,
+    cluster,
+    cpu_replicas=None,
+    tpu=None,
+    communication="auto",
+    timeout_seconds=None,
+    cluster_timeout=DEFAULT_CLUSTER_TIMEOUT,
+):
+    cluster_timeout = check_cluster_timeout(cluster_timeout)
     gpus = _num_gpus()
     name, reason = _choose_auto(
         tpu=_tpu_named(tpu, os.environ) or bool(tf.config.list_physical_devices("TPU")),
@@ -197,6 +213,7 @@ def _auto(*, cluster, cpu_replicas=None, tpu=None, communication="auto", timeout
             communication=communication,
             timeout_seconds=timeout_seconds,
             cpu_replicas=cpu_replicas,
+            cluster_timeout=cluster_timeout,
         )
     if name == "mirrored":
         return _mirrored(cpu_replicas=cpu_replicas) if cpu_replicas else _mirrored()

@@ -276,7 +276,7 @@ def _lose_worker_2_and_get_it_back(marker, tmp_path, train_command, launcher_fla
         usable.write_text("localhost:2\n")  # the slot of worker 2 is gone...
         os.kill(_pid_of(marker, 2), signal.SIGKILL)  # ...and so is its process
         _read_until(proc, "elastic: running from 3 to 2 workers (worker:2 failed (signal SIGKILL)", seen)
-        _read_until(proc, "[worker:0] tfscale: restored", seen)
+        _read_until(proc, "[worker:0] tfscale: resumed from", seen)
         _read_until(proc, "[worker:0] tfscale: scheduled backup", seen)  # trained on 2 workers
         usable.write_text("localhost:3\n")
         _read_until(proc, "elastic: running from 2 to 3 workers", seen)
@@ -300,8 +300,8 @@ def _attempts(output):
 
 def _restored(attempt):
     """`(epoch, step, global step)` worker 0 resumed at in an attempt's output."""
-    line = next(x for x in attempt.splitlines() if x.startswith("[worker:0] tfscale: restored"))
-    epoch, step, global_step = re.search(r"epoch (\d+), step (\d+) \(global step (\d+)\)", line).groups()
+    line = next(x for x in attempt.splitlines() if x.startswith("[worker:0] tfscale: resumed from"))
+    epoch, step, global_step = re.search(r"epoch (\d+), step (\d+); global step (\d+)\)", line).groups()
     return int(epoch), int(step), int(global_step)
 
 

@@ -197,7 +197,10 @@ class ClusterSpec:
         if self.cluster is _LOCAL:
             object.__setattr__(self, "cluster", _Cluster())
             return
-        object.__setattr__(self, "cluster", _normalize_cluster(self.cluster))
+        if not isinstance(self.cluster, _Cluster):
+            # A `_Cluster` was validated when it was made (and is read-only): `with_task` on each
+            # of N tasks stays linear instead of re-validating all N addresses each time.
+            object.__setattr__(self, "cluster", _normalize_cluster(self.cluster))
         _check_task(self.cluster, self.task_type, self.task_index)
 
     @classmethod

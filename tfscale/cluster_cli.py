@@ -10,8 +10,10 @@
 Bad input ends with one line on stderr and exit code 2; nothing is half-written.
 """
 
+import json
 import os
 import shlex
+import signal
 import sys
 
 from absl import flags
@@ -139,11 +141,13 @@ def _selected_tasks(spec, task):
 
 def _print_tf_configs(fv):
     spec = _spec(fv)
-    lines = []
+    # Each line holds the whole cluster: written one at a time, never all held in memory.
+    # The cluster's JSON once, not once a task: what `spec.to_json(task_type, index)` gives, spliced.
+    cluster = spec.with_task(None, None).to_json()
     for task_type, index in _selected_tasks(spec, fv.task):
-        text = spec.to_json(task_type, index)
-        lines.append(f"export TF_CONFIG={shlex.quote(text)}" if fv.format == "export" else text)
-    print("\n".join(lines))
+        task = json.dumps({"type": task_type, "index": index}, separators=(",", ":"))
+        text = f'{cluster[:-1]},"task":{task}}}'
+        print(f"export TF_CONFIG={shlex.quote(text)}" if fv.format == "export" else text)
 
 
 def _write_job_files(fv):
@@ -219,7 +223,15 @@ def run(argv=None):
         rest = fv(argv)  # --flagfile is handled here too.
     except flags.Error as e:
         sys.exit(errors.report(_PROG, e))
-    sys.exit(main(rest, fv))
+    try:
+        status = main(rest, fv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (`| head`): no traceback; the status a shell gives a SIGPIPE death,
+        # and stdout pointed at /dev/null so the interpreter's final flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 128 + signal.SIGPIPE
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,19 @@ def define_cluster_flags(fv):
         flag_values=fv,
     )
     flags.register_validator("tf_config", _valid_tf_config, flag_values=fv)
+    flags.DEFINE_float(
+        "cluster_timeout",
+        300.0,
+        "Seconds a worker waits for every peer of the cluster to start before it fails naming "
+        "the missing tasks (exit 1).",
+        flag_values=fv,
+    )
+    flags.register_validator(
+        "cluster_timeout",
+        lambda v: 0 < v < float("inf"),
+        "--cluster_timeout expects a positive, finite number of seconds.",
+        flag_values=fv,
+    )
 
 
 class _TaskPlacementParser(flags.ArgumentParser):
@@ -449,6 +462,8 @@ def strategy_args(fv):
             options[option] = fv[flag].value
     if fv["communication"].present:
         options["communication"] = fv.communication
+    if "cluster_timeout" in fv and fv["cluster_timeout"].present and fv.strategy in ("auto", "multi_worker"):
+        options["cluster_timeout"] = fv.cluster_timeout
     return fv.strategy, options
 
 

@@ -1,0 +1,156 @@
+"""A bounded wait for a cluster's peers, and SIGTERM that still ends the process meanwhile.
+
+`MultiWorkerMirroredStrategy` blocks in C++ (`context.ensure_initialized`) until every
+worker has joined; a peer that never starts held `tfscale-train` for 12+ minutes with no
+output. So before TensorFlow's blocking init, each worker probes its peers' gRPC ports
+(the way `tpu` probes its address) until all accept a connection, for at most
+`cluster_timeout` seconds, then fails naming the tasks that never came up. Every worker
+listens on its own port meanwhile (a plain socket, closed before TensorFlow binds the
+port), so peers that all probe first do not wait for each other forever.
+
+TensorFlow's coordination agent also installs a C++ SIGTERM handler (its preemption
+notifier) that only records the signal: the process ignored SIGTERM for good. A watcher
+thread keeps the default action during TensorFlow's init, and it is restored afterwards
+(tfscale's own backup callback installs its handler in `fit`).
+"""
+
+import ctypes
+import signal
+import socket
+import threading
+import time
+
+from tfscale.strategies._errors import StrategyError
+
+__all__ = ["DEFAULT_CLUSTER_TIMEOUT", "ClusterTimeoutError", "build_within", "check_cluster_timeout"]
+
+DEFAULT_CLUSTER_TIMEOUT = 300.0  # seconds: long enough for slow hosts to start, short of a hang
+_PROBE_SECONDS = 0.5
+_RETRY_SECONDS = 0.2
+_WATCH_SECONDS = 0.05
+_COLLECTIVE_TASKS = ("chief", "worker")
+
+
+class ClusterTimeoutError(StrategyError):
+    """Peers of the cluster did not start within `cluster_timeout` (a failed run, exit 1)."""
+
+    exit_status = 1
+
+
+def check_cluster_timeout(value):
+    """`value` as float seconds if it is a positive finite number, else `StrategyError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise StrategyError(
+            f"Invalid value for argument `cluster_timeout`. Received: cluster_timeout={value!r}. "
+            "Expected a positive, finite number of seconds."
+        )
+    return float(value)
+
+
+def _split(address):
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _reachable(address):
+    try:
+        socket.create_connection(_split(address), timeout=_PROBE_SECONDS).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+class _Listener:
+    """Accepts (and drops) connections on this task's port until TensorFlow needs it."""
+
+    def __init__(self, address):
+        self._sock = None
+        try:
+            sock = socket.socket(socket.AF_INET6 if ":" in _split(address)[0] else socket.AF_INET)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("", _split(address)[1]))
+            sock.listen(64)
+            self._sock = sock
+            threading.Thread(target=self._accept, name="tfscale-peer-listen", daemon=True).start()
+        except (OSError, ValueError):
+            pass  # The port is taken or odd: TensorFlow reports that itself when it binds.
+
+    def _accept(self):
+        while True:
+            try:
+                self._sock.accept()[0].close()
+            except OSError:
+                return  # Closed.
+
+    def close(self):
+        if self._sock is not None:
+            self._sock.close()
+
+
+def wait_for_peers(cluster, cluster_timeout):
+    """Returns once every other chief/worker task's port accepts connections.
+
+    Raises:
+        ClusterTimeoutError: after `cluster_timeout` seconds, naming the tasks still missing.
+    """
+    me = (cluster.task_type, cluster.task_index)
+    pending = [(f"{t}:{i}", a) for t, i, a in cluster.tasks() if t in _COLLECTIVE_TASKS and (t, i) != me]
+    listener = _Listener(cluster.task_address())
+    deadline = time.monotonic() + cluster_timeout
+    try:
+        while True:
+            pending = [(label, a) for label, a in pending if not _reachable(a)]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise ClusterTimeoutError(
+                    f"Task {cluster.task_label} waited cluster_timeout={cluster_timeout:g} s for its "
+                    f"peers: {', '.join(f'{label} ({a})' for label, a in pending)} never started. "
+                    "Expected every task of the cluster running (raise --cluster_timeout for slow starts)."
+                )
+            time.sleep(_RETRY_SECONDS)
+    finally:
+        listener.close()
+
+
+class _SigtermDefault:
+    """Keeps SIGTERM's action at the default (terminate) while TensorFlow may replace it."""
+
+    def __init__(self):
+        self._done = threading.Event()
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.signal.restype = ctypes.c_void_p
+        self._libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        self._thread = threading.Thread(target=self._watch, name="tfscale-sigterm", daemon=True)
+
+    def _reset(self):
+        # signal() from any thread: Python's signal.signal works only in the main thread.
+        self._libc.signal(signal.SIGTERM, ctypes.c_void_p(0))  # SIG_DFL
+
+    def _watch(self):
+        while not self._done.wait(_WATCH_SECONDS):
+            self._reset()
+
+    def __enter__(self):
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            self._thread.start()  # Someone else's Python handler is theirs to keep.
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+            self._reset()
+        return False
+
+
+def build_within(cluster, cluster_timeout, build):
+    """Waits for the peers of `cluster` (at most `cluster_timeout` s), then returns `build()`.
+
+    Raises:
+        ClusterTimeoutError: the peers did not all start in time; names those missing.
+    """
+    if cluster.is_multi_worker:
+        wait_for_peers(cluster, cluster_timeout)
+    with _SigtermDefault():
+        return build()

@@ -175,15 +175,18 @@ SNIPPETS = [
         timeout=900,
     ),
     Snippet(
-        'ds = tfscale.datasets.load("digits", "train"',
+        'ds = tfscale.datasets.load("digits", "train", global_batch_size=64',
         setup="import keras, tfscale, tfscale.models\nstrategy = tfscale.strategies.get('auto')\n"
         "with strategy.scope():\n    model = tfscale.models.build('mlp', (8, 8, 1), 10)\n"
         "    model.compile('adam', keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n",
-        # tfscale never downloads: the documented answer for an unprepared TFDS dataset.
+        # tfscale never downloads: the documented answer for an unprepared TFDS dataset
+        # (in an existing, empty data_dir: a missing one is its own one-line error).
+        files=(("tfds/.keep", ""),),
+        fill=(('data_dir="/data/tfds"', 'data_dir="tfds"'),),
         expect_error="tfds build mnist",
     ),
     Snippet(
-        'strategy = tfscale.strategies.get("pipeline", num_stages=2',
+        'num_stages=2, num_microbatches=8, schedule="1f1b"',
         setup=_MODEL,
         fill=(("strategy.split(model)", "strategy.split(make_model())"),),
     ),
@@ -192,6 +195,36 @@ SNIPPETS = [
         setup=_MODEL,
         fill=(("strategy.split(model)", "strategy.split(make_model())"),),
     ),
+    Snippet(
+        "num_microbatches=4, data_parallel=2)",
+        setup=_MODEL + "import tfscale\n",
+        fill=(("split(model)", "split(make_model())"),),
+    ),
+    Snippet(
+        "from tfscale.launch.elastic import elastic_batch",
+        # `build_model` is the reader's; this one reads the block's `lr` when called.
+        setup="import keras, tfscale.models\n"
+        "def build_model():\n"
+        "    model = tfscale.models.build('mlp', (8, 8, 1), 10)\n"
+        "    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)\n"
+        "    model.compile(keras.optimizers.Adam(lr), loss)\n"
+        "    return model\n",
+        fill=(("/shared/backup", "backup"),),
+        timeout=600,
+    ),
+    Snippet(
+        "--num_workers 2:4 --max_restarts 5 --host_discovery",
+        run="skip",
+        why="an elastic 2-4 worker job around the recipe above (tests/test_elastic.py runs this path)",
+    ),
+    Snippet('gradient_compression="fp16",  # or "bf16", None', setup="import tfscale\n"),
+    Snippet(
+        "--num_workers 2:4 --max_restarts 3 -- tfscale-train",
+        run="skip",
+        why="elastic jobs on 2-4 workers and on hosts node1/node2: tests/test_elastic.py runs both paths",
+    ),
+    Snippet("elastic: running at 3 workers (start)", run="skip", why="sample launcher output"),
+    Snippet("errors.py        tfscale.Error(ValueError)", run="skip", why="the repository layout, not code"),
 ]
 
 

@@ -71,7 +71,8 @@ class _Listener:
             sock.bind(("", _split(address)[1]))
             sock.listen(64)
             self._sock = sock
-            threading.Thread(target=self._accept, name="tfscale-peer-listen", daemon=True).start()
+            self._thread = threading.Thread(target=self._accept, name="tfscale-peer-listen", daemon=True)
+            self._thread.start()
         except (OSError, ValueError):
             pass  # The port is taken or odd: TensorFlow reports that itself when it binds.
 
@@ -83,8 +84,17 @@ class _Listener:
                 return  # Closed.
 
     def close(self):
-        if self._sock is not None:
-            self._sock.close()
+        if self._sock is None:
+            return
+        # close() alone leaves a listener blocked in accept() holding the port (Linux keeps
+        # the socket open for the blocked call), and TensorFlow's bind then fails;
+        # shutdown() wakes the accept first.
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(timeout=5)
 
 
 def wait_for_peers(cluster, cluster_timeout):

@@ -6,6 +6,7 @@ Real sockets and real processes: a TF_CONFIG naming a worker that never starts.
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,24 +34,35 @@ def test_missing_peer_fails_within_cluster_timeout_naming_it():
     assert ClusterTimeoutError.exit_status == 1  # A failed run, not bad input.
 
 
-def test_peers_that_all_probe_first_find_each_other():
-    # Each worker listens while it probes, so two workers waiting for each other both return.
+def test_peers_that_all_probe_first_find_each_other_then_bind_their_ports():
+    # Each worker listens while it probes, so two workers waiting for each other both return;
+    # then each binds its own port as TensorFlow's server does (a probe listener left behind,
+    # e.g. closed while its thread sat in accept(), would make that bind fail).
     ports = _procs.free_ports(2)
     spec = {"worker": [f"localhost:{p}" for p in ports]}
-    errors = []
+    errors, servers, stop = [], [], threading.Event()
 
-    def wait(index):
+    def worker(index):
         try:
             wait_for_peers(ClusterSpec(spec, "worker", index), 20)
+            with socket.socket() as server:
+                server.bind(("", ports[index]))
+                server.listen(8)
+                servers.append(index)
+                stop.wait(30)  # serving, as TensorFlow would, until the test ends
         except Exception as e:  # Reported below, in the test's thread.
             errors.append(e)
 
-    threads = [threading.Thread(target=wait, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 30
+    while len(servers) + len(errors) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
     for t in threads:
         t.join(30)
-    assert not errors and not any(t.is_alive() for t in threads)
+    assert not errors and sorted(servers) == [0, 1]
 
 
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "5", True, None])

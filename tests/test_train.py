@@ -175,7 +175,7 @@ def test_kill_and_resume_through_the_launcher_ends_with_the_uninterrupted_weight
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     output = proc.stdout + proc.stderr
-    assert "restored" in output and "global step 40" in output, output[-4000:]
+    assert "tfscale: resumed from" in output and "global step 40)" in output, output[-4000:]
     for got, want in zip(_weights(model_dir), _weights(reference_dir)):
         np.testing.assert_array_equal(got, want)
 

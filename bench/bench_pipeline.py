@@ -139,13 +139,17 @@ def _trace(model, row, x, y, args):
 
 
 def _where_the_time_goes(trace):
-    """Mean op time per kind, and the bubble the schedule would have with those op times.
+    """Mean op time per kind, and the bubble the schedule would have with measured op times.
 
-    The replayed bubble runs the schedule's order in `schedules.simulate` with each op
-    taking its kind's mean measured time: what is left of the measured bubble beyond it
-    is time the devices waited for other reasons (other processes, transfers, overhead).
+    Two replays of the schedule's order in `schedules.simulate`: `bubble_replayed` with each
+    op taking its kind's mean measured time (the schedule's own idle for these kernels), and
+    `bubble_replayed_ops` with each op taking its own measured duration (adds the idle from
+    uneven ops: one stage's ops slower than the other's, one micro-batch slower than the
+    next). What is left of the measured bubble beyond the second is time a device waited
+    with its data ready: launch gaps between ops, transfers, other processes.
     """
     from tfscale.strategies.pipeline import schedules
+    from tfscale.strategies.pipeline.schedules import Kind
 
     durations = {}
     for op, (start, end) in trace.intervals.items():
@@ -155,10 +159,18 @@ def _where_the_time_goes(trace):
     orders = schedules.order(trace.schedule, trace.num_stages, trace.num_microbatches, v)
     replay = schedules.simulate(orders, costs, v)
     spans = [(op.stage % trace.num_stages, a, b) for op, (a, b) in replay.items()]
+    measured = {op: end - start for op, (start, end) in trace.intervals.items()}
+    replay_ops = schedules.simulate(orders, {**costs, **measured}, v)
+    spans_ops = [(op.stage % trace.num_stages, a, b) for op, (a, b) in replay_ops.items()]
+    per_stage = {}
+    for op, (start, end) in trace.intervals.items():
+        per_stage.setdefault(f"{op.stage % trace.num_stages}{Kind(op.kind).value}", []).append(end - start)
     return {
+        "op_ms_per_device": {key: round(float(np.mean(d)) * 1e3, 1) for key, d in sorted(per_stage.items())},
         "op_ms": {kind.value: round(costs[kind] * 1e3, 1) for kind in schedules.Kind if kind in durations},
         "makespan_ms": round(trace.makespan * 1e3, 1),
         "bubble_replayed": schedules.bubble_fraction(spans, trace.num_stages),
+        "bubble_replayed_ops": schedules.bubble_fraction(spans_ops, trace.num_stages),
     }
 
 
@@ -167,7 +179,7 @@ def _print(rows):
     single, naive = by_run[("one device", "-")], by_run[("naive split", "1f1b")]
     print(
         f"{'run':<17} {'schedule':<11} {'M':>2} {'V':>2} {'steps/s':>8} {'x one-dev':>9} {'x naive':>8} "
-        f"{'bubble':>7} {'theory':>7} {'replay':>7} live (bound)  mean op ms"
+        f"{'bubble':>7} {'theory':>7} {'replay':>7} {'rp-ops':>7} live (bound)  mean op ms"
     )
     for row in rows:
         row["speedup_vs_one_device"] = row["steps_per_s"] / single
@@ -175,10 +187,11 @@ def _print(rows):
         bubble = f"{row['bubble']:.2f}" if "bubble" in row else "-"
         theory = f"{row['bubble_theory']:.2f}" if "bubble" in row else "-"
         replay = f"{row['bubble_replayed']:.2f}" if "bubble" in row else "-"
+        replay_ops = f"{row['bubble_replayed_ops']:.2f}" if "bubble" in row else "-"
         print(
             f"{row['run']:<17} {row['schedule']:<11} {row['M']!s:>2} {row['V']!s:>2} "
             f"{row['steps_per_s']:8.2f} {row['speedup_vs_one_device']:9.2f} "
-            f"{row['speedup_vs_naive_split']:8.2f} {bubble:>7} {theory:>7} {replay:>7} "
+            f"{row['speedup_vs_naive_split']:8.2f} {bubble:>7} {theory:>7} {replay:>7} {replay_ops:>7} "
             f"{row.get('live', '-')} ({row.get('live_bound', '-')})  {row.get('op_ms', '-')}"
         )
 

@@ -62,6 +62,14 @@ def test_simulated_zb_h1_bubble_is_a_third_of_1f1b_and_deadlocks_are_reported():
     assert schedules.theoretical_bubble(2, 8, "interleaved", 2) == pytest.approx(1 / 17)
     assert schedules.activation_bound("zb-h1", 4, 8) == [4, 4, 4, 4]
     assert schedules.activation_bound("interleaved", 2, 8, 2) == [5, 3]
+    # One slow op (its own time, as measured in a trace) delays what depends on it and
+    # opens idle time the kind's mean cost does not show.
+    orders = schedules.order("1f1b", 2, 2)
+    even = schedules.simulate(orders, dict.fromkeys(Kind, 1.0))
+    slow = schedules.simulate(orders, {**dict.fromkeys(Kind, 1.0), Op(0, Kind.FORWARD, 0): 3.0})
+    assert slow[Op(0, Kind.FORWARD, 0)] == (0.0, 3.0)
+    assert slow[Op(1, Kind.FORWARD, 0)] == (3.0, 4.0)
+    assert max(b for _, b in slow.values()) == max(b for _, b in even.values()) + 2.0
     backwards_first = [list(reversed(lane)) for lane in schedules.order("1f1b", 2, 2)]
     with pytest.raises(ValueError, match="deadlocks"):
         schedules.simulate(backwards_first, dict.fromkeys(Kind, 1.0))

@@ -401,7 +401,8 @@ def simulate(orders, costs, virtual_stages=1):
 
     Args:
         orders: as from `order`.
-        costs: dict `Kind` -> time of one op of that kind.
+        costs: dict `Kind` -> time of one op of that kind; an `Op` key gives that one op
+            its own time (e.g. the duration measured for it in a trace).
         virtual_stages: V.
 
     Raises:
@@ -419,7 +420,7 @@ def simulate(orders, costs, virtual_stages=1):
                 if any(dep not in done for dep in deps):
                     break
                 start = max([clock[d]] + [done[dep][1] for dep in deps])
-                clock[d] = start + costs[Kind(step.kind)]
+                clock[d] = start + (costs[step] if step in costs else costs[Kind(step.kind)])
                 done[step] = (start, clock[d])
                 position[d] += 1
                 progress = True

@@ -16,6 +16,7 @@ from tfscale.compat import collective_keys, keras_multi_worker, keras_optimizer
 from tfscale.strategies import _communication
 from tfscale.strategies._devices import cpu_device_names, parse_device, split_cpu
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._options import reject_unknown
 from tfscale.strategies._peers import DEFAULT_CLUSTER_TIMEOUT, build_within, check_cluster_timeout
 
 __all__ = ["NAMES", "get"]
@@ -225,14 +226,12 @@ def _auto(
 def _pipeline(**options):
     from tfscale.strategies.pipeline import PipelineStrategy
 
-    _check_options("pipeline", _accepted(PipelineStrategy), options)
-    return PipelineStrategy(**options)
+    return PipelineStrategy(**options)  # It rejects unknown options itself (direct use too).
 
 
 def _model_split(**options):
     from tfscale.strategies.model_split import ModelSplitStrategy
 
-    _check_options("model_split", _accepted(ModelSplitStrategy), options)
     return ModelSplitStrategy(**options)
 
 
@@ -260,11 +259,7 @@ def _check_options(name, accepted, options):
     """A StrategyError (not Python's TypeError) for an option the strategy does not take."""
     if accepted is None:
         return  # It takes **options and checks them itself.
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise StrategyError(
-            f"Unknown option(s) {unknown} for strategy {name!r}. Expected options: {accepted or 'none'}."
-        )
+    reject_unknown(name, set(options) - set(accepted), accepted)
 
 
 def _cluster(cluster):

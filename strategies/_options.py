@@ -19,5 +19,5 @@ def reject_unknown(strategy, unknown, accepted):
     if unknown:
         raise StrategyError(
             f"Unknown option(s) {sorted(unknown)} for strategy {strategy!r}. Expected options: "
-            f"{list(accepted)}."
+            f"{list(accepted) or 'none'}."
         )

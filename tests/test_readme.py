@@ -167,12 +167,12 @@ SNIPPETS = [
     Snippet(_TRAIN_OUTPUT_KEY, run="skip", why="the output the block above is checked against"),
     Snippet(
         "tfscale-train --flagfile=flagfiles/one_device.cfg",
-        run="sh",
-        # Fixed /tmp paths would be shared with every other run on the machine.
-        fill=(("/tmp/backup", "backup"), ("/tmp/model", "model")),
-        check=r"tfscale-launch: job succeeded in attempt 2 of 2",
-        marks=(pytest.mark.slow,),
-        timeout=900,
+        run="skip",
+        # Running the block here took 68 s of CI for nothing more than those tests check.
+        why="its first three commands run as written, results compared, in "
+        "tests/test_train_flags.py (same metrics as one device); the kill-and-resume line's "
+        "flags (2 epochs instead of the flagfile's 10) in tests/test_train.py (killed at step "
+        "40 under the launcher, resumed: the uninterrupted weights)",
     ),
     Snippet(
         'ds = tfscale.datasets.load("digits", "train", global_batch_size=64',

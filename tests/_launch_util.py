@@ -6,7 +6,7 @@ import sys
 import time
 import uuid
 
-__all__ = ["LAUNCHER", "MARKER", "leftovers", "new_marker", "run_launcher", "start_launcher"]
+__all__ = ["LAUNCHER", "MARKER", "leftovers", "new_marker", "read_until", "run_launcher", "start_launcher"]
 
 # The console script next to this interpreter: the real binary users run.
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "tfscale-launch")
@@ -67,3 +67,20 @@ def leftovers(marker, wait=3.0):
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
+
+
+def read_until(proc, needle, seen, timeout=300):
+    """Reads `proc`'s stdout into `seen` up to the first line containing `needle`; returns it.
+
+    A line not seen within `timeout` (checked between lines; the test's own pytest timeout
+    bounds a process that goes silent) or the output's end fails with the output's tail.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return line
+    raise AssertionError(f"{needle!r} not seen; output ends with:\n{''.join(seen[-60:])}")

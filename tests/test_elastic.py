@@ -18,7 +18,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from _launch_util import leftovers, new_marker, run_launcher, start_launcher
+from _launch_util import leftovers, new_marker, read_until, run_launcher, start_launcher
 
 from tfscale.launch import _discovery, elastic
 from tfscale.launch.supervisor import LaunchError
@@ -40,18 +40,6 @@ def _discovery_file(tmp_path, slots):
     path = tmp_path / "usable"
     path.write_text(f"localhost:{slots}\n")
     return path
-
-
-def _read_until(proc, needle, seen, timeout=300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if needle in line:
-            return line
-    raise AssertionError(f"{needle!r} not seen; output ends with:\n{''.join(seen[-60:])}")
 
 
 def _finish(proc, seen, timeout=300):
@@ -110,10 +98,10 @@ def test_job_shrinks_when_a_worker_is_lost_and_grows_when_its_slot_is_back(marke
             "--", sys.executable, TASK, str(go)]  # fmt: skip
     proc = start_launcher(args, marker, merge_stderr=True)
     seen = []
-    _read_until(proc, "[worker:2] size 3 index 2 restart 0", seen)
+    read_until(proc, "[worker:2] size 3 index 2 restart 0", seen)
     usable.write_text("localhost:2\n")
     go.touch()  # worker 2 fails; its slot is no longer listed
-    _read_until(proc, "[worker:1] size 2 index 1 restart 1", seen)
+    read_until(proc, "[worker:1] size 2 index 1 restart 1", seen)
     usable.write_text("# the slot is back\nlocalhost:3\n")
     assert proc.wait(timeout=60) == 0
     output = _finish(proc, seen)
@@ -272,14 +260,14 @@ def _lose_worker_2_and_get_it_back(marker, tmp_path, train_command, launcher_fla
     proc = start_launcher(args, marker, env=env, merge_stderr=True)
     seen = []
     try:
-        _read_until(proc, "(epoch 0, step 8, global step 8)", seen)
+        read_until(proc, "(epoch 0, step 8, global step 8)", seen)
         usable.write_text("localhost:2\n")  # the slot of worker 2 is gone...
         os.kill(_pid_of(marker, 2), signal.SIGKILL)  # ...and so is its process
-        _read_until(proc, "elastic: running from 3 to 2 workers (worker:2 failed (signal SIGKILL)", seen)
-        _read_until(proc, "[worker:0] tfscale: resumed from", seen)
-        _read_until(proc, "[worker:0] tfscale: scheduled backup", seen)  # trained on 2 workers
+        read_until(proc, "elastic: running from 3 to 2 workers (worker:2 failed (signal SIGKILL)", seen)
+        read_until(proc, "[worker:0] tfscale: resumed from", seen)
+        read_until(proc, "[worker:0] tfscale: scheduled backup", seen)  # trained on 2 workers
         usable.write_text("localhost:3\n")
-        _read_until(proc, "elastic: running from 2 to 3 workers", seen)
+        read_until(proc, "elastic: running from 2 to 3 workers", seen)
     except BaseException:
         proc.terminate()  # forwarded to the tasks: nothing is left behind
         raise

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from _launch_util import leftovers, new_marker, run_launcher, start_launcher
+from _launch_util import leftovers, new_marker, read_until, run_launcher, start_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "_launch_train.py")
@@ -150,17 +150,6 @@ def namespaces():
     spaces.remove()
 
 
-def _read_until(proc, needle, deadline, seen):
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if needle in line:
-            return line
-    raise AssertionError(f"{needle!r} not seen; output ends with:\n{''.join(seen[-40:])}")
-
-
 def test_two_host_job_in_network_namespaces_fails_fast_on_a_cut_link_and_restarts(
     marker, namespaces, tmp_path
 ):
@@ -173,10 +162,10 @@ def test_two_host_job_in_network_namespaces_fails_fast_on_a_cut_link_and_restart
     proc = start_launcher(args, marker, merge_stderr=True)  # launcher and task lines in order
     seen = []
     try:
-        _read_until(proc, "[worker:1] step 3", time.monotonic() + 240, seen)
+        read_until(proc, "[worker:1] step 3", seen, timeout=240)
         namespaces.set_link(1, "down")
         cut = time.monotonic()
-        restart = _read_until(proc, "restarting the job (restart 1 of 1)", cut + 120, seen)
+        restart = read_until(proc, "restarting the job (restart 1 of 1)", seen, timeout=120)
         detected = time.monotonic() - cut
         print(f"after {detected:.1f}s: {restart}")  # which rule caught it (heartbeat or a task error)
         namespaces.set_link(1, "up")

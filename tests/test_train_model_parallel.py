@@ -6,6 +6,7 @@ here. The reference is `--strategy=default` on the same flags: the same global b
 one device.
 """
 
+import logging
 import os
 from unittest import mock
 
@@ -84,10 +85,20 @@ def test_pipeline_dp2_x_pp2_killed_and_resumed_equals_one_device(one_device, dat
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
 
 
-def test_pipeline_dp2_x_pp2_losses_per_epoch_equal_one_device(one_device, data_dir):
+def test_pipeline_dp2_x_pp2_losses_per_epoch_equal_one_device_with_the_plan_report(
+    one_device, data_dir, caplog
+):
     reference, _ = one_device
-    result = train(TrainConfig(strategy="pipeline", strategy_options=PIPELINE, data_dir=data_dir, **QUICK))
+    config = TrainConfig(
+        strategy="pipeline", strategy_options=PIPELINE, data_dir=data_dir, plan_report=True, **QUICK
+    )
+    with caplog.at_level(logging.INFO, logger="tfscale"):
+        result = train(config)
+    # The report profiles a step at start; training is still the one-device training.
     np.testing.assert_allclose(result.history["loss"], reference.history["loss"], rtol=RTOL)
+    assert "plan: S=2 M=2 D=2, micro-batch 8 samples" in caplog.text
+    # The mlp's stage boundary: 8 samples x 128 floats; 2 x (S-1) x 4096 B x M x D.
+    assert "activations 32768 B measured, 32768 B formula" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -113,6 +124,7 @@ def test_pipeline_dp2_x_pp2_losses_per_epoch_equal_one_device(one_device, data_d
         (["--strategy=pipeline", "--num_devices=2"], "--num_devices applies to --strategy=model_split"),
         (["--strategy=pipeline", "--schedule=pipedream"], "--schedule=pipedream: value should be one of"),
         (["--strategy=pipeline", "--data_parallel=0"], "--data_parallel expects a positive integer."),
+        (["--strategy=model_split", "--plan_report"], "--plan_report applies to --strategy=pipeline"),
     ],
 )
 def test_bad_model_parallel_flags_are_one_line_and_exit_2(args, message, capsys):

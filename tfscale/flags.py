@@ -382,6 +382,10 @@ def _valid_model_parallel(values):
             raise flags.ValidationError(
                 f"--{name} applies to --strategy={'|'.join(owners)}, not --strategy={strategy}."
             )
+    if values["plan_report"] and strategy != "pipeline":
+        raise flags.ValidationError(
+            f"--plan_report applies to --strategy=pipeline, not --strategy={strategy}."
+        )
     if strategy not in MODEL_PARALLEL:
         return True
     d = values["data_parallel"] or 1
@@ -529,7 +533,14 @@ def define_all(fv):
     ):
         define(fv)
     flags.register_multi_flags_validator(
-        ["strategy", "cpu_replicas", "global_batch_size", "per_replica_batch_size", *_MODEL_PARALLEL_FLAGS],
+        [
+            "strategy",
+            "cpu_replicas",
+            "global_batch_size",
+            "per_replica_batch_size",
+            "plan_report",
+            *_MODEL_PARALLEL_FLAGS,
+        ],
         _valid_model_parallel,
         flag_values=fv,
     )

@@ -304,6 +304,18 @@ def _check_steps_per_execution(config, strategy):
         )
 
 
+def _plan_report(model, info, global_batch):
+    """The pipelined model's planning report for one global batch, as text.
+
+    Zeros of the batch's shape: the bytes depend on shapes only, and iterating the
+    dataset here would advance its reshuffling (another order of examples than without).
+    """
+    import tensorflow as tf
+
+    x, y = (tf.zeros([global_batch, *s.shape[1:]], s.dtype) for s in info.element_spec[:2])
+    return model.plan_report(x, y).table()
+
+
 def _save(model, strategy, config, result_fields):
     """Writes `model.keras` and `summary.json` under `model_dir`, each atomically (chief only).
 
@@ -363,6 +375,8 @@ def train(config):
     keras.utils.set_random_seed(config.seed)
     model = _build_model(config, strategy, info, config.learning_rate * scale)
     callbacks, timer = _callbacks(config, replicas, info, steps, is_chief, elastic=elastic)
+    if config.plan_report:
+        _log.info("%s", _plan_report(model, info, global_batch))
     _log.info(
         "train: strategy=%s replicas=%d workers=%d global_batch=%d steps/epoch=%d",
         name,

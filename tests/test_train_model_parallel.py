@@ -101,6 +101,22 @@ def test_pipeline_dp2_x_pp2_losses_per_epoch_equal_one_device_with_the_plan_repo
     assert "activations 32768 B measured, 32768 B formula" in caplog.text
 
 
+def test_model_split_dp2_x_tensor_split_2_equals_one_device(one_device, data_dir, tmp_path):
+    reference, reference_dir = one_device
+    options = dict(num_devices=2, tensor_parallel=True, data_parallel=2, cpu_replicas=4)
+    model_dir = str(tmp_path / "out")
+    result = train(
+        TrainConfig(
+            strategy="model_split", strategy_options=options, data_dir=data_dir, model_dir=model_dir, **QUICK
+        )
+    )
+    assert result.strategy == "model_split (ModelSplitStrategy)" and result.num_replicas == 2
+    np.testing.assert_allclose(result.history["loss"], reference.history["loss"], rtol=RTOL)
+    # Saved merged: the tensor-split layers' shards joined back into the user's Dense layers.
+    for got, want in zip(_weights(model_dir), _weights(reference_dir), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

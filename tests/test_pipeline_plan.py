@@ -20,7 +20,8 @@ S, M, D = 2, 2, 2
 def _pipelined(schedule):
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
-        [keras.Input((6,)), *(keras.layers.Dense(n) for n in (12, 10, 8, 3))], name="plan_mlp"
+        [keras.Input((6,)), *(keras.layers.Dense(n, name=f"d{i}") for i, n in enumerate((12, 10, 8, 3)))],
+        name="plan_mlp",
     )
     strategy = PipelineStrategy(
         num_stages=S, num_microbatches=M, data_parallel=D, schedule=schedule, balance="uniform"
@@ -41,7 +42,7 @@ def test_plan_report_matches_the_hand_computed_bytes_and_changes_no_weight():
     assert [d.device for d in report.devices] == [f"/device:CPU:{i}" for i in range(4)]
     assert [d.param_bytes for d in report.devices] == STAGE_PARAM_BYTES * D
     assert [d.slot_bytes for d in report.devices] == [2 * b for b in STAGE_PARAM_BYTES] * D  # Adam: m, v
-    assert report.devices[1].layers == ["dense_2", "dense_3"]
+    assert [d.layers for d in report.devices] == [["d0", "d1"], ["d2", "d3"]] * D
     # GPipe keeps all M micro-batches on every device: stage 0 keeps 4x12 + 4x10 floats each,
     # stage 1 keeps 4x8 + 4x3 (measured live count x micro-batch outputs).
     assert [d.activation_bytes for d in report.devices] == [

@@ -46,7 +46,7 @@ __all__ = [
 MODEL_PARALLEL = ("pipeline", "model_split")
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu", *MODEL_PARALLEL)
 # `tfscale.strategies.pipeline.SCHEDULES`, named here because this module imports no TensorFlow
-# (tests/test_flags.py holds the two to each other).
+# (tests/test_train_model_parallel.py holds the two to each other).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # The model-parallel flags and the strategy each belongs to (passed as options of the same name).
 _MODEL_PARALLEL_FLAGS = {
@@ -389,14 +389,10 @@ def _valid_model_parallel(values):
     if strategy not in MODEL_PARALLEL:
         return True
     d = values["data_parallel"] or 1
-    per_copy, count = (
-        (values["num_stages"] or 2, "num_stages")
-        if strategy == "pipeline"
-        else (
-            values["num_devices"],
-            "num_devices",
-        )
-    )
+    if strategy == "pipeline":
+        per_copy, count = values["num_stages"] or 2, "num_stages"
+    else:  # model_split: K unknown here without --num_devices (then the devices decide)
+        per_copy, count = values["num_devices"], "num_devices"
     cpus = values["cpu_replicas"]
     if cpus and per_copy and d * per_copy > cpus:
         raise flags.ValidationError(
@@ -420,8 +416,11 @@ def _valid_model_parallel(values):
 
 
 def define_model_parallel_flags(fv):
-    """--num_stages, --num_microbatches, --schedule (pipeline); --num_devices, --tensor_parallel
-    (model_split); --data_parallel (both); --plan_report."""
+    """The pipeline's and model split's flags, passed to `strategies.get` as the same options.
+
+    --num_stages, --num_microbatches, --schedule (pipeline); --num_devices, --tensor_parallel
+    (model_split); --data_parallel (both); --plan_report (pipeline: print the planning report).
+    """
     flags.DEFINE_integer("num_stages", None, "Pipeline stages S (default 2).", flag_values=fv)
     flags.DEFINE_integer(
         "num_microbatches", None, "Pipeline micro-batches M per replica's batch (default 4).", flag_values=fv

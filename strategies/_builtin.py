@@ -16,8 +16,9 @@ from tfscale.compat import collective_keys, keras_multi_worker, keras_optimizer
 from tfscale.strategies import _communication
 from tfscale.strategies._devices import cpu_device_names, parse_device, split_cpu
 from tfscale.strategies._errors import StrategyError
-from tfscale.strategies._options import reject_unknown
+from tfscale.strategies._options import positive_int, reject_unknown
 from tfscale.strategies._peers import DEFAULT_CLUSTER_TIMEOUT, build_within, check_cluster_timeout
+from tfscale.strategies._replicas import check_data_parallel
 
 __all__ = ["NAMES", "get"]
 
@@ -223,16 +224,41 @@ def _auto(
     return _one_device(device="/gpu:0" if gpus else cpu_device_names(1)[0])
 
 
-def _pipeline(**options):
+def _on_cpus(name, options, cpu_replicas, count_argument, per_copy):
+    """`options` with `devices`: the first D x `per_copy` of `cpu_replicas` logical CPU devices.
+
+    `cpu_replicas=N` means for the model-parallel strategies what it means for mirrored: the
+    host CPU is split into N logical devices, and the strategy runs on them (not on GPUs).
+    """
+    if cpu_replicas is None:
+        return options
+    if options.get("devices") is not None:
+        raise StrategyError(
+            f"Arguments `devices` and `cpu_replicas` of strategy {name!r} exclude each other. "
+            "Expected at most one of them."
+        )
+    names = split_cpu(cpu_replicas)
+    data_parallel = positive_int("data_parallel", options.get("data_parallel", 1))
+    per_copy = positive_int(count_argument, per_copy) if per_copy is not None else len(names) // data_parallel or 1
+    check_data_parallel(data_parallel, per_copy, len(names), count_argument=count_argument)
+    options = {k: v for k, v in options.items() if k != "num_devices"}
+    return {**options, "devices": names[: data_parallel * per_copy]}
+
+
+def _pipeline(*, cpu_replicas=None, **options):
     from tfscale.strategies.pipeline import PipelineStrategy
 
-    return PipelineStrategy(**options)  # It rejects unknown options itself (direct use too).
+    # S devices per copy: with virtual stages each device holds V chunks. The strategy
+    # rejects unknown options itself (direct use too).
+    per_copy = options.get("num_stages", 2)
+    return PipelineStrategy(**_on_cpus("pipeline", options, cpu_replicas, "num_stages", per_copy))
 
 
-def _model_split(**options):
+def _model_split(*, cpu_replicas=None, **options):
     from tfscale.strategies.model_split import ModelSplitStrategy
 
-    return ModelSplitStrategy(**options)
+    per_copy = options.get("num_devices")
+    return ModelSplitStrategy(**_on_cpus("model_split", options, cpu_replicas, "num_devices", per_copy))
 
 
 _BUILDERS = {

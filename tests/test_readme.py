@@ -196,6 +196,12 @@ SNIPPETS = [
         fill=(("strategy.split(model)", "strategy.split(make_model())"),),
     ),
     Snippet(
+        "--data_parallel=2 --cpu_replicas=4 --global_batch_size=32 --epochs=3 --plan_report",
+        run="skip",
+        why="tests/test_train_model_parallel.py trains these flags in process (a binary costs 15-20 s)",
+    ),
+    Snippet("plan: S=2 M=4 D=2, micro-batch 4 samples", run="skip", why="sample output of the block above"),
+    Snippet(
         "num_microbatches=4, data_parallel=2)",
         setup=_MODEL + "import tfscale\n",
         fill=(("split(model)", "split(make_model())"),),

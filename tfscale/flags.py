@@ -22,7 +22,9 @@ __all__ = [
     "CLUSTER_SOURCE_FLAGS",
     "DATASET_PREFIXES",
     "MODELS",
+    "MODEL_PARALLEL",
     "OPTIMIZERS",
+    "SCHEDULES",
     "STRATEGIES",
     "cluster_spec",
     "define_all",
@@ -30,6 +32,7 @@ __all__ = [
     "define_cluster_source_flags",
     "define_data_flags",
     "define_fault_tolerance_flags",
+    "define_model_parallel_flags",
     "define_output_flags",
     "define_performance_flags",
     "define_strategy_flags",
@@ -38,9 +41,23 @@ __all__ = [
     "strategy_args",
 ]
 
-# Strategies a data-parallel binary can run: `tfscale.strategies.NAMES` less the two that
-# need a split model (tests/test_flags.py holds the two lists and the README to this).
-STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu")
+# Every name of `tfscale.strategies.NAMES`; the last two split the model (`MODEL_PARALLEL`), and
+# tfscale-train splits it for them (tests/test_strategies.py holds the lists and the README to this).
+MODEL_PARALLEL = ("pipeline", "model_split")
+STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu", *MODEL_PARALLEL)
+# `tfscale.strategies.pipeline.SCHEDULES`, named here because this module imports no TensorFlow
+# (tests/test_train_model_parallel.py holds the two to each other).
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+# The model-parallel flags and the strategy each belongs to (passed as options of the same name).
+_MODEL_PARALLEL_FLAGS = {
+    "num_stages": ("pipeline",),
+    "num_microbatches": ("pipeline",),
+    "schedule": ("pipeline",),
+    "num_devices": ("model_split",),
+    "tensor_parallel": ("model_split",),
+    "data_parallel": MODEL_PARALLEL,
+}
+DEFAULT_GLOBAL_BATCH_SIZE = 64  # what `--global_batch_size` means when neither batch flag is given
 # The optimizer registry: `--optimizer` name -> class in `keras.optimizers` (train.py builds it).
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop"}
 DATASET_PREFIXES = ("digits", "tfds:", "synthetic:")
@@ -357,6 +374,83 @@ def define_performance_flags(fv):
     )
 
 
+def _valid_model_parallel(values):
+    """Model-parallel flags fit their strategy, the devices and the batch (one line naming them)."""
+    strategy = values["strategy"]
+    for name, owners in _MODEL_PARALLEL_FLAGS.items():
+        if values[name] not in (None, False) and strategy not in owners:
+            raise flags.ValidationError(
+                f"--{name} applies to --strategy={'|'.join(owners)}, not --strategy={strategy}."
+            )
+    if values["plan_report"] and strategy != "pipeline":
+        raise flags.ValidationError(
+            f"--plan_report applies to --strategy=pipeline, not --strategy={strategy}."
+        )
+    if strategy not in MODEL_PARALLEL:
+        return True
+    d = values["data_parallel"] or 1
+    if strategy == "pipeline":
+        per_copy, count = values["num_stages"] or 2, "num_stages"
+    else:  # model_split: K unknown here without --num_devices (then the devices decide)
+        per_copy, count = values["num_devices"], "num_devices"
+    cpus = values["cpu_replicas"]
+    if cpus and per_copy and d * per_copy > cpus:
+        raise flags.ValidationError(
+            f"--data_parallel={d} x --{count}={per_copy} needs {d * per_copy} devices, more than "
+            f"--cpu_replicas={cpus}. Expected data_parallel x {count} <= {cpus}."
+        )
+    per_replica = values["per_replica_batch_size"]
+    batch = values["global_batch_size"] or (per_replica * d if per_replica else DEFAULT_GLOBAL_BATCH_SIZE)
+    if batch % d:
+        raise flags.ValidationError(
+            f"--global_batch_size={batch} is not divisible by --data_parallel={d}. "
+            f"Expected a multiple of {d}."
+        )
+    m = (values["num_microbatches"] or 4) if strategy == "pipeline" else 1
+    if (batch // d) % m:
+        raise flags.ValidationError(
+            f"--num_microbatches={m} does not divide the per-replica batch of {batch // d} "
+            f"(--global_batch_size={batch} / --data_parallel={d}). Expected a divisor of {batch // d}."
+        )
+    return True
+
+
+def define_model_parallel_flags(fv):
+    """The pipeline's and model split's flags, passed to `strategies.get` as the same options.
+
+    --num_stages, --num_microbatches, --schedule (pipeline); --num_devices, --tensor_parallel
+    (model_split); --data_parallel (both); --plan_report (pipeline: print the planning report).
+    """
+    flags.DEFINE_integer("num_stages", None, "Pipeline stages S (default 2).", flag_values=fv)
+    flags.DEFINE_integer(
+        "num_microbatches", None, "Pipeline micro-batches M per replica's batch (default 4).", flag_values=fv
+    )
+    flags.DEFINE_enum("schedule", None, SCHEDULES, "Pipeline schedule (default 1f1b).", flag_values=fv)
+    flags.DEFINE_integer("num_devices", None, "Model split: devices K of one copy.", flag_values=fv)
+    flags.DEFINE_boolean(
+        "tensor_parallel",
+        False,
+        "Model split: split within layers (tensor split) over the K devices.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "data_parallel",
+        None,
+        "D copies of the pipeline / split model, each on its own devices and 1/D of every batch.",
+        flag_values=fv,
+    )
+    flags.DEFINE_boolean(
+        "plan_report",
+        False,
+        "Print the per-device memory and per-step traffic report of the split model at start.",
+        flag_values=fv,
+    )
+    for name in ("num_stages", "num_microbatches", "num_devices", "data_parallel"):
+        flags.register_validator(
+            name, _positive_or_none, f"--{name} expects a positive integer.", flag_values=fv
+        )
+
+
 def _valid_backup_freq(value):
     if value == "epoch" or (value.isdigit() and int(value) > 0):
         return True
@@ -434,8 +528,21 @@ def define_all(fv):
         define_performance_flags,
         define_fault_tolerance_flags,
         define_output_flags,
+        define_model_parallel_flags,
     ):
         define(fv)
+    flags.register_multi_flags_validator(
+        [
+            "strategy",
+            "cpu_replicas",
+            "global_batch_size",
+            "per_replica_batch_size",
+            "plan_report",
+            *_MODEL_PARALLEL_FLAGS,
+        ],
+        _valid_model_parallel,
+        flag_values=fv,
+    )
     flags.register_multi_flags_validator(
         ["strategy", "cpu_replicas", "num_gpus", "tpu", "tf_config", "global_batch_size"],
         _valid_batch_split,
@@ -460,6 +567,9 @@ def strategy_args(fv):
     ):
         if fv[flag].value is not None:
             options[option] = fv[flag].value
+    for name in _MODEL_PARALLEL_FLAGS:
+        if name in fv and fv[name].value not in (None, False):
+            options[name] = fv[name].value
     if fv["communication"].present:
         options["communication"] = fv.communication
     if "cluster_timeout" in fv and fv["cluster_timeout"].present and fv.strategy in ("auto", "multi_worker"):

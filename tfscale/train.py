@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 RESULT_PREFIX = "tfscale-train-result: "
-DEFAULT_GLOBAL_BATCH_SIZE = 64
+DEFAULT_GLOBAL_BATCH_SIZE = tfscale_flags.DEFAULT_GLOBAL_BATCH_SIZE
 _log = logging.getLogger("tfscale")
 
 
@@ -73,6 +73,7 @@ class TrainConfig:
     backup_freq: Any = "epoch"
     fail_at_step: Optional[int] = None
     model_dir: Optional[str] = None
+    plan_report: bool = False
     verbose: int = 2
 
 
@@ -178,13 +179,12 @@ def _optimizer(config, learning_rate):
     return getattr(keras.optimizers, tfscale_flags.OPTIMIZERS[config.optimizer])(learning_rate)
 
 
-def _callbacks(config, strategy, info, steps_per_epoch, is_chief, *, elastic=None):
+def _callbacks(config, replicas, info, steps_per_epoch, is_chief, *, elastic=None):
     import keras
 
     from tfscale.callbacks.lr_warmup import LearningRateWarmup
     from tfscale.callbacks.step_timer import StepTimer
 
-    replicas = strategy.num_replicas_in_sync
     timer = StepTimer(info.global_batch_size, replicas, config.steps_per_execution)
     callbacks = [timer]
     scale = replicas if config.lr_scaling == "linear" else 1
@@ -249,14 +249,31 @@ def _fail_at_callback(step):
     return FailAt(step, mode="sigkill")
 
 
+def _data_parallel(strategy):
+    """(the `tf.distribute` strategy that feeds the data, data-parallel replicas) of `strategy`.
+
+    A pipeline or model split (a strategy with `split`) is fed whole global batches by the
+    default strategy; its own `data_parallel` copies each take their slice of every batch.
+    """
+    import tensorflow as tf
+
+    if hasattr(strategy, "split"):
+        return tf.distribute.get_strategy(), strategy.data_parallel
+    return strategy, strategy.num_replicas_in_sync
+
+
 def _build_model(config, strategy, info, learning_rate):
+    """The registry model built in the strategy's scope (split by a model-parallel one), compiled."""
     import keras
 
     from tfscale import models
 
     features = info.element_spec[0]
-    with strategy.scope():
+    data_strategy, _ = _data_parallel(strategy)
+    with data_strategy.scope():
         model = models.build(config.model, features.shape[1:], info.num_classes)
+        if hasattr(strategy, "split"):
+            model = strategy.split(model)
         model.compile(
             optimizer=_optimizer(config, learning_rate),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -287,8 +304,25 @@ def _check_steps_per_execution(config, strategy):
         )
 
 
-def _save(model, config, result_fields):
-    """Writes `model.keras` and `summary.json` under `model_dir`, each atomically (chief only)."""
+def _plan_report(model, info, global_batch):
+    """The pipelined model's planning report for one global batch, as text.
+
+    Zeros of the batch's shape: the bytes depend on shapes only, and iterating the
+    dataset here would advance its reshuffling (another order of examples than without).
+    """
+    import tensorflow as tf
+
+    x, y = (tf.zeros([global_batch, *s.shape[1:]], s.dtype) for s in info.element_spec[:2])
+    return model.plan_report(x, y).table()
+
+
+def _save(model, strategy, config, result_fields):
+    """Writes `model.keras` and `summary.json` under `model_dir`, each atomically (chief only).
+
+    A pipelined or split model is saved merged: the user's architecture, loadable anywhere.
+    """
+    if hasattr(strategy, "merge"):
+        model = strategy.merge(model)
     os.makedirs(config.model_dir, exist_ok=True)
     path = os.path.join(config.model_dir, "model.keras")
     model.save(path + ".tmp.keras")
@@ -325,22 +359,24 @@ def train(config):
     cluster = _cluster(config)
     strategy = tfscale.strategies.get(config.strategy, cluster=cluster, **config.strategy_options)
     name = f"{config.strategy} ({type(strategy).__name__})"
-    replicas = strategy.num_replicas_in_sync
-    _check_steps_per_execution(config, strategy)
+    data_strategy, replicas = _data_parallel(strategy)
+    _check_steps_per_execution(config, data_strategy)
     is_chief = cluster.is_writer  # Writes the logs and the model; prints Keras's progress.
     keras.mixed_precision.set_global_policy(config.mixed_precision)
     # tf.data combines an op's seed with the global seed: fix both before the datasets exist.
     keras.utils.set_random_seed(config.seed)
     global_batch = _global_batch(config, replicas)
     config, global_batch, elastic = _elastic(config, global_batch, replicas)
-    ds, info, eval_ds, eval_split = _datasets(config, strategy, global_batch)
+    ds, info, eval_ds, eval_split = _datasets(config, data_strategy, global_batch)
     steps = config.steps_per_epoch or info.steps_per_epoch
     scale = replicas if config.lr_scaling == "linear" else 1
     # Seeded again: preparing a TFDS dataset on first use draws from the global RNGs, and
     # the initial weights must not depend on whether that happened in this run.
     keras.utils.set_random_seed(config.seed)
     model = _build_model(config, strategy, info, config.learning_rate * scale)
-    callbacks, timer = _callbacks(config, strategy, info, steps, is_chief, elastic=elastic)
+    callbacks, timer = _callbacks(config, replicas, info, steps, is_chief, elastic=elastic)
+    if config.plan_report:
+        _log.info("%s", _plan_report(model, info, global_batch))
     _log.info(
         "train: strategy=%s replicas=%d workers=%d global_batch=%d steps/epoch=%d",
         name,
@@ -380,7 +416,7 @@ def train(config):
     )
     restored = [c.restored_from for c in callbacks if getattr(c, "restored_from", None)]
     fields["resumed_at_step"] = restored[0]["global_step"] if restored else 0
-    model_path = _save(model, config, fields) if is_chief and config.model_dir else None
+    model_path = _save(model, strategy, config, fields) if is_chief and config.model_dir else None
     return TrainResult(**fields, model_path=model_path)
 
 

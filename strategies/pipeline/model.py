@@ -281,6 +281,17 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
 
         return timeline.trace_train_step(self, x, y, sample_weight=sample_weight)
 
+    def plan_report(self, x, y, sample_weight=None):
+        """Memory per device and bytes sent between devices per step, measured and by formula.
+
+        Profiles one step and traces one more on the global batch `x`, `y`; the weights and
+        the optimizer are left as they were. Returns a `tfscale.strategies.pipeline.PlanReport`
+        (`.table()`, `.to_json()`, `.max_device_bytes`).
+        """
+        from tfscale.strategies.pipeline import plan
+
+        return plan.plan_report(self, x, y, sample_weight=sample_weight)
+
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Writes the unsplit model's weights file (loadable by the user's original model)."""
         return self.unsplit_model.save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)

@@ -239,7 +239,9 @@ def _on_cpus(name, options, cpu_replicas, count_argument, per_copy):
         )
     names = split_cpu(cpu_replicas)
     data_parallel = positive_int("data_parallel", options.get("data_parallel", 1))
-    per_copy = positive_int(count_argument, per_copy) if per_copy is not None else len(names) // data_parallel or 1
+    if per_copy is None:
+        per_copy = len(names) // data_parallel or 1
+    positive_int(count_argument, per_copy)
     check_data_parallel(data_parallel, per_copy, len(names), count_argument=count_argument)
     options = {k: v for k, v in options.items() if k != "num_devices"}
     return {**options, "devices": names[: data_parallel * per_copy]}

@@ -81,6 +81,7 @@ class CommunicationProfiler(keras.callbacks.Callback):
         self._step += 1
         if self._step == self.profile_steps[0]:
             self._trace_dir = os.path.join(self.log_dir, _task_label(self.model.distribute_strategy))
+            _settle()
             tf.profiler.experimental.start(self._trace_dir)
             self._started = time.perf_counter()
 
@@ -94,6 +95,7 @@ class CommunicationProfiler(keras.callbacks.Callback):
 
     def _finish(self, steps):
         wall = time.perf_counter() - self._started
+        _settle()
         tf.profiler.experimental.stop()
         self._started = None
         strategy = self.model.distribute_strategy
@@ -132,6 +134,17 @@ class CommunicationProfiler(keras.callbacks.Callback):
             *self.report["profiled_steps"],
             task,
         )
+
+
+def _settle(seconds=0.1):
+    """Lets the last step's collective callbacks finish before the profiler starts or stops.
+
+    Under `multi_worker` (TF 2.21, 2 processes on loopback) a worker crashed now and then
+    ("double free or corruption", SIGSEGV) when the profiler started or stopped while the
+    collective executor's completion callbacks of the step just returned still ran on
+    their thread; a 0.1 s pause outside the timed steps made it go away here.
+    """
+    time.sleep(seconds)
 
 
 def _mean(steps, key):

@@ -7,10 +7,8 @@ gradient compression and with gradient accumulation k=1 and k=4: the four varian
 train one after the other in the same process(es). Each variant's numbers come from
 `tfscale.callbacks.CommunicationProfiler` (worker 0's report): step time (wall clock of
 the profiled steps), all-reduce fraction and launches per step (under `multi_worker`
-these also count the loss/metric all-reduce tfscale's multi-worker fix adds). Bytes per
-step are the gradient bytes of one all-reduce (trainable parameters x 4, or x 2 with
-fp16: tests/test_communication.py checks the traced all-reduce sends exactly that) over
-k (one all-reduce per k micro-steps: tests/test_compat_profiler_xplane.py counts it).
+these also count the loss/metric all-reduce tfscale's multi-worker fix adds) and bytes
+per step (the gradients' size in the all-reduce dtype over k; see the callback).
 Efficiency is T1 / (N x TN), T the
 time per example: examples_per_s(N) / (N x examples_per_s(1)) within one
 mode/compression/accumulation group.
@@ -62,8 +60,7 @@ def run_variants(strategy, steps, log_dir):
     import tfscale.callbacks
     import tfscale.strategies
 
-    replicas = strategy.num_replicas_in_sync
-    global_batch = PER_REPLICA_BATCH * replicas
+    global_batch = PER_REPLICA_BATCH * strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
     x = rng.normal(size=(steps * global_batch, 64)).astype("float32")
     y = rng.integers(0, 10, size=(steps * global_batch,)).astype("int32")
@@ -80,7 +77,6 @@ def run_variants(strategy, steps, log_dir):
         )
         model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[profiler])
         report = profiler.report
-        params = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
         launches = report["allreduce_launches_per_step"]
         results.append(
             {
@@ -91,10 +87,7 @@ def run_variants(strategy, steps, log_dir):
                 "examples_per_s": global_batch / report["step_s"],
                 "allreduce_fraction": report["allreduce_fraction"],
                 "allreduce_launches_per_step": launches,
-                "allreduce_bytes_per_step": params
-                * (2 if compression else 4)
-                / accumulation
-                * (replicas > 1),
+                "allreduce_bytes_per_step": report["allreduce_bytes_per_step"],
             }
         )
     return results

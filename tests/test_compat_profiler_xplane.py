@@ -63,6 +63,8 @@ def test_communication_profiler_reports_launches_and_fraction(tmp_path, options,
     assert report["allreduce_launches_per_step"] == launches
     assert 0 < report["allreduce_fraction"] < 1
     assert report["profiled_steps"] == [3, 6]
+    # The test model's 178 float32 parameters, all-reduced once per k micro-steps.
+    assert report["allreduce_bytes_per_step"] == 712 * launches
     with open(tmp_path / "communication-local.json") as f:
         assert json.load(f) == report
     with gzip.open(tmp_path / "trace-local.json.gz", "rt") as f:

@@ -39,7 +39,7 @@ class CommunicationProfiler(keras.callbacks.Callback):
     `communication.png` (stacked bars per worker per step, from every worker's JSON in
     `log_dir`), and the profiler's own trace under `log_dir/<task>/plugins/profile`
     (TensorBoard's profile tab). Logs one summary line, e.g. "all-reduce 31% of step
-    time, 1.0 launches/step; input 2%, compute 67%". `step_s` is the wall clock around
+    time, 0.71 MB/step in 1.00 launches; input 2%, compute 67%". `step_s` is the wall clock around
     the profiled steps, measured apart from the trace.
 
     Args:
@@ -114,6 +114,7 @@ class CommunicationProfiler(keras.callbacks.Callback):
             "allreduce_fraction": per_step["allreduce_s_per_step"] / step_s,
             "allreduce_launches_per_step": len(launches) / local_replicas / steps,
             "replicas_in_sync": strategy.num_replicas_in_sync,
+            "allreduce_bytes_per_step": _gradient_bytes_per_step(self.model, strategy),
             "steps": split,
         }
         os.makedirs(self.log_dir, exist_ok=True)
@@ -125,15 +126,35 @@ class CommunicationProfiler(keras.callbacks.Callback):
         if spec.is_writer or not spec.is_multi_worker:
             _plot_workers(self.log_dir, spec.num_workers)
         _log.info(
-            "tfscale: all-reduce %.0f%% of step time, %.1f launches/step; input %.0f%%, compute %.0f%% "
-            "(steps %d-%d, %s)",
+            "tfscale: all-reduce %.0f%% of step time, %.2f MB/step in %.2f launches; input %.0f%%, "
+            "compute %.0f%% (steps %d-%d, %s)",
             100 * self.report["allreduce_fraction"],
+            self.report["allreduce_bytes_per_step"] / 1e6,
             self.report["allreduce_launches_per_step"],
             100 * per_step["input_s_per_step"] / step_s,
             100 * per_step["compute_s_per_step"] / step_s,
             *self.report["profiled_steps"],
             task,
         )
+
+
+def _gradient_bytes_per_step(model, strategy):
+    """Bytes each replica's gradient all-reduce sends per step (0 with one replica).
+
+    TensorFlow's trace records no tensor sizes, so this is the trainable variables' size
+    in the all-reduce dtype (the compression's, else the variable's), over the
+    accumulation steps k: `tests/test_communication.py` checks the traced all-reduce
+    sends exactly that, `tests/test_compat_profiler_xplane.py` that it runs once per k.
+    """
+    from tfscale.strategies import _communication
+
+    if strategy.num_replicas_in_sync < 2:
+        return 0
+    compressed = _communication.COMPRESSIONS[_communication.of(strategy).gradient_compression]
+    size = sum(
+        v.shape.num_elements() * (compressed or tf.as_dtype(v.dtype)).size for v in model.trainable_variables
+    )
+    return size / (getattr(model.optimizer, "gradient_accumulation_steps", None) or 1)
 
 
 def _settle(seconds=0.1):

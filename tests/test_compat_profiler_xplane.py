@@ -4,6 +4,7 @@ Also the run-time proof that gradient accumulation communicates once per k micro
 """
 
 import _optimizer_workers as workers
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -55,14 +56,21 @@ def _profile_fit(log_dir, options, profile_steps=(3, 6)):
 
 @pytest.mark.parametrize(("options", "launches"), [({}, 1.0), ({"gradient_accumulation_steps": 2}, 0.5)])
 def test_communication_profiler_reports_launches_and_fraction(tmp_path, options, launches):
+    import gzip
     import json
 
     report = _profile_fit(tmp_path, options)
     assert report["allreduce_launches_per_step"] == launches
     assert 0 < report["allreduce_fraction"] < 1
     assert report["profiled_steps"] == [3, 6]
+    # The test model's 178 float32 parameters, all-reduced once per k micro-steps.
+    assert report["allreduce_bytes_per_step"] == 712 * launches
     with open(tmp_path / "communication-local.json") as f:
         assert json.load(f) == report
+    with gzip.open(tmp_path / "trace-local.json.gz", "rt") as f:
+        names = {e["name"] for e in json.load(f)["traceEvents"]}
+    assert any(n.endswith(":CollectiveReduceV2") for n in names)
+    assert (tmp_path / "communication.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("profile_steps", [(0, 2), (3, 2), (1,), "1:2", (1.0, 2)])
@@ -71,3 +79,35 @@ def test_communication_profiler_bad_steps(profile_steps):
 
     with pytest.raises(ValueError, match="profile_steps="):
         tfscale.callbacks.CommunicationProfiler("/tmp/unused", profile_steps=profile_steps)
+
+
+def test_input_compute_and_allreduce_add_up_to_the_measured_step_time(tmp_path):
+    import keras
+
+    import tfscale.callbacks
+
+    # Wide enough that Keras's own loop between steps (outside the step events, inside
+    # the wall clock) is small next to a step.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256 * 12, 32)).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, (x[:, 0] > 0).astype("int32"))).batch(256)
+    strategy = get("mirrored", cpu_replicas=2)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((32,)),
+                keras.layers.Dense(512, activation="relu"),
+                keras.layers.Dense(512),
+                keras.layers.Dense(2),
+            ]
+        )
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    profiler = tfscale.callbacks.CommunicationProfiler(str(tmp_path), profile_steps=(3, 10))
+    model.fit(dataset, verbose=0, callbacks=[profiler])
+    report = profiler.report
+    assert len(report["steps"]) == 8
+    for step in report["steps"]:
+        assert step["input_s"] > 0 and step["allreduce_s"] > 0 and step["compute_s"] > step["host_s"] >= 0
+    # step_s is the wall clock around the profiled steps, measured apart from the trace.
+    parts = sum(report[f"{kind}_s_per_step"] for kind in ("input", "compute", "allreduce"))
+    assert parts == pytest.approx(report["step_s"], rel=0.1)

@@ -230,6 +230,11 @@ SNIPPETS = [
         why="elastic jobs on 2-4 workers and on hosts node1/node2: tests/test_elastic.py runs both paths",
     ),
     Snippet("elastic: running at 3 workers (start)", run="skip", why="sample launcher output"),
+    Snippet(
+        "--profile_steps=5:12 --model_dir=run",
+        run="sh",
+        check=r"communication-local\.json\ncommunication\.png\nlocal\ntrace-local\.json\.gz",
+    ),
     Snippet("errors.py        tfscale.Error(ValueError)", run="skip", why="the repository layout, not code"),
 ]
 

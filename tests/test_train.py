@@ -116,7 +116,7 @@ def multi_worker(data_dir, tmp_path_factory):
     """The QUICK flags as a 2-worker cluster, the binary in each process."""
     model_dir = str(tmp_path_factory.mktemp("multi_worker"))
     command = [sys.executable, "-m", "tfscale.train", *QUICK, "--strategy=multi_worker"]
-    command += [f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
+    command += [f"--data_dir={data_dir}", f"--model_dir={model_dir}", "--profile_steps=4:6"]
     tasks = run_local_cluster(command, 2, env=CHILD_ENV, timeout=300)
     return [_results(t.log)[0] for t in tasks], model_dir
 
@@ -129,11 +129,25 @@ def test_multi_worker_matches_one_device_and_only_the_chief_writes(multi_worker,
     assert w0["history"]["loss"] == w1["history"]["loss"] and w0["evaluation"] == w1["evaluation"]
     _assert_same_metrics(w0, one_device)
     assert (w0["is_chief"], w1["is_chief"]) == (True, False) and w1["model_path"] is None
-    assert sorted(os.listdir(model_dir)) == ["logs", "model.keras", "summary.json"]
+    # profile/: --profile_steps, where every worker writes its own (task-named) files.
+    assert sorted(os.listdir(model_dir)) == ["logs", "model.keras", "profile", "summary.json"]
     with open(os.path.join(model_dir, "summary.json")) as f:
         assert json.load(f)["task"] == "worker:0"
     for got, want in zip(_weights(model_dir), _weights(one_device.model_path.rsplit("/", 1)[0])):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_profile_steps_flag_profiles_every_worker_and_the_chief_draws_them(multi_worker):
+    profile = os.path.join(multi_worker[1], "profile")
+    for task in ("worker-0", "worker-1"):
+        with open(os.path.join(profile, f"communication-{task}.json")) as f:
+            report = json.load(f)
+        assert report["profiled_steps"] == [4, 6] and len(report["steps"]) == 3
+        assert report["allreduce_launches_per_step"] >= 1 and report["allreduce_s_per_step"] > 0
+        assert os.path.getsize(os.path.join(profile, f"trace-{task}.json.gz")) > 0
+    with open(os.path.join(profile, "communication.png"), "rb") as f:
+        assert f.read(4) == b"\x89PNG"
 
 
 @pytest.mark.slow
@@ -192,6 +206,7 @@ def test_kill_and_resume_through_the_launcher_ends_with_the_uninterrupted_weight
         (["--data_dir=/nonexistent/tfds"], "--data_dir='/nonexistent/tfds' does not exist"),
         (["--model=resnet"], "--model='resnet' is unknown"),
         (["--undefined_flag=1"], "Unknown command line flag 'undefined_flag'"),
+        (["--profile_steps=5:2"], "--profile_steps='5:2'. Expected A:B"),
     ],
 )
 def test_flag_errors_are_one_line_and_a_nonzero_exit(args, message, tmp_path):

@@ -470,11 +470,30 @@ def define_fault_tolerance_flags(fv):
     )
 
 
+def parse_profile_steps(value):
+    """`"A:B"` -> `(A, B)`, the 1-based steps `--profile_steps` profiles; None stays None."""
+    if value is None:
+        return None
+    first, sep, last = value.partition(":")
+    if sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last):
+        return int(first), int(last)
+    raise flags.ValidationError(f"--profile_steps={value!r}. Expected A:B, whole numbers with 1 <= A <= B.")
+
+
 def define_output_flags(fv):
-    """--model_dir: TensorBoard logs, the final model and summary (chief only)."""
+    """--model_dir: TensorBoard logs, the final model and summary (chief only); --profile_steps."""
     flags.DEFINE_string(
         "model_dir", None, "TensorBoard logs and the final model (written by the chief only).", flag_values=fv
     )
+    flags.DEFINE_string(
+        "profile_steps",
+        None,
+        "A:B: profile steps A..B of this run (1-based) on every worker with CommunicationProfiler: "
+        "input/compute/all-reduce JSON and Chrome trace per worker, PNG on the chief, under "
+        "<model_dir>/profile (./tfscale_profile without --model_dir). Not profiled: no overhead.",
+        flag_values=fv,
+    )
+    flags.register_validator("profile_steps", lambda v: parse_profile_steps(v) or True, flag_values=fv)
 
 
 def expected_replicas(values, environ=None):

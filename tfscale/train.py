@@ -74,6 +74,7 @@ class TrainConfig:
     fail_at_step: Optional[int] = None
     model_dir: Optional[str] = None
     plan_report: bool = False
+    profile_steps: Optional[str] = None  # "A:B", checked by tfscale.flags.parse_profile_steps
     verbose: int = 2
 
 
@@ -201,12 +202,21 @@ def _callbacks(config, replicas, info, steps_per_epoch, is_chief, *, elastic=Non
         callbacks.append(_backup_callback(config, info.global_batch_size, elastic))
     if config.fail_at_step:
         callbacks.append(_fail_at_callback(config.fail_at_step))
+    if config.profile_steps:
+        callbacks.append(_profiler_callback(config))
     if is_chief and config.model_dir:
         if importlib.util.find_spec("tensorboard") is None:
             _log.warning("no TensorBoard logs: the `tensorboard` package is not installed")
         else:
             callbacks.append(keras.callbacks.TensorBoard(os.path.join(config.model_dir, "logs")))
     return callbacks, timer
+
+
+def _profiler_callback(config):
+    from tfscale.callbacks import CommunicationProfiler
+
+    log_dir = os.path.join(config.model_dir, "profile") if config.model_dir else "tfscale_profile"
+    return CommunicationProfiler(log_dir, tfscale_flags.parse_profile_steps(config.profile_steps))
 
 
 def _backup_callback(config, global_batch, elastic):

@@ -13,7 +13,7 @@ import dataclasses
 import glob
 import os
 
-__all__ = ["CollectiveEvent", "available", "collective_events", "latest_trace"]
+__all__ = ["CollectiveEvent", "TraceEvent", "available", "collective_events", "latest_trace", "trace_events"]
 
 _COLLECTIVE_SUFFIX = ":CollectiveReduceV2"
 
@@ -26,6 +26,16 @@ class CollectiveEvent:
     instance_key: int
     group_key: int
     duration_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceEvent:
+    """One event of the trace: the thread ("line") it ran on, its name, start and end (ns)."""
+
+    line: str
+    name: str
+    start_ns: float
+    end_ns: float
 
 
 def _xplane_pb2():
@@ -75,6 +85,27 @@ def collective_events(path):
                         instance_key=int(stats.get("instance_key", -1)),
                         group_key=int(stats.get("group_key", -1)),
                         duration_s=event.duration_ps * 1e-12,
+                    )
+                )
+    return events
+
+
+def trace_events(path):
+    """Every event of every thread in the trace at `path`, in the profiler's clock (ns)."""
+    space = _xplane_pb2().XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    events = []
+    for plane in space.planes:
+        for line in plane.lines:
+            for event in line.events:
+                start_ns = line.timestamp_ns + event.offset_ps / 1000.0
+                events.append(
+                    TraceEvent(
+                        line=line.name,
+                        name=plane.event_metadata[event.metadata_id].name,
+                        start_ns=start_ns,
+                        end_ns=start_ns + event.duration_ps / 1000.0,
                     )
                 )
     return events

@@ -59,6 +59,13 @@ def test_mirrored_matches_one_device(option, replicas):
     assert _max_difference(got, _reference(option)) < 1e-6
 
 
+@pytest.mark.parametrize("option", ["accumulation", "accumulation_clip"])
+def test_one_replica_mirrored_accumulates_like_one_device(option):
+    # Keras's own path crashes here too (a 1-worker job, an elastic job shrunk to one).
+    got = _train("mirrored", option, cpu_replicas=1)
+    assert _max_difference(got, _reference(option)) < 1e-6
+
+
 @pytest.mark.parametrize("option", ["plain", "global_clipnorm", "accumulation"])
 def test_mixed_float16_loss_scaling_matches_one_device(option):
     # mixed_float16 computes activations and gradients in fp16 (11-bit mantissa,

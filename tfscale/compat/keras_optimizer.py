@@ -72,13 +72,14 @@ def _modules():
 
 
 def _data_parallel(strategy):
-    return isinstance(
-        strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
-    ) and (strategy.num_replicas_in_sync > 1)
+    # Also at 1 replica (mirrored on one device, a 1-worker multi_worker job, an elastic job
+    # shrunk to one): Keras's own path crashes there with gradient accumulation (the
+    # all-reduce inside its `cond`), and the fixed path is the same arithmetic.
+    return isinstance(strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy))
 
 
 def _active():
-    """True in a replica context of a multi-replica Mirrored/MWMS step being traced."""
+    """True in a replica context of a Mirrored/MWMS step being traced."""
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return False
     return _data_parallel(tf.distribute.get_strategy()) and not tf.executing_eagerly()

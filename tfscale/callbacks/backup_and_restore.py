@@ -205,8 +205,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             skipped). A failed background write raises `BackupWriteError` at the next
             step. The SIGTERM backup is written synchronously, and `fit` ends only
             after the last write is published. The price: a crash while a write is in
-            flight loses that backup too (up to `save_freq` + the steps run during the
-            write, instead of `save_freq`), and after a `fit` that raised the write in
+            flight loses that backup too (at most `save_freq - 1` + the steps run during
+            the write, and so at most `2 * save_freq - 1`, since the next backup waits for
+            the write; synchronous: `save_freq - 1`), and after a `fit` that raised the write in
             flight is still published (the next `fit` waits for it). Off by default,
             like Keras, TensorFlow and Orbax: a backup is on disk when its step ends.
 

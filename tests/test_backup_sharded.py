@@ -18,6 +18,7 @@ import pytest
 
 import tfscale.callbacks
 import tfscale.strategies
+from tfscale.callbacks import _backup_store
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SAVE_FREQ, FAIL_STEP = 4, 10  # backups at 4 and 8; the run fails after step 10
@@ -212,3 +213,13 @@ def test_corrupted_shard_on_another_task_falls_back_to_the_previous_backup(tmp_p
     result = _run_cluster(tmp_path, damage_remote=True)
     assert result["restored_step"] == 4  # its fingerprint, computed on task 1, did not match
     assert result["max_diff"] == 0.0
+
+
+def test_backup_of_an_unknown_format_is_refused_with_what_to_do(tmp_path):
+    store = _backup_store.BackupStore(str(tmp_path), max_to_keep=1)
+    store.write(4, {"step": 4}, [_backup_store.NpzShard("/cpu:0", [0], [np.zeros(3)])])
+    manifest_path = tmp_path / "ckpt-000000000004" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "format": 3, "parts": manifest.pop("shards")}))
+    with pytest.raises(_backup_store.UnusableBackupError, match=r"format 3, .*made by a newer tfscale"):
+        store.load("ckpt-000000000004")

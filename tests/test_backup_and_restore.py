@@ -24,6 +24,7 @@ from tfscale.callbacks import _backup_store, _backup_writer
 from tfscale.launch import run_local_cluster
 
 TOTAL_STEPS = 48  # 3 epochs x 16 steps (128 samples, batch 8)
+STATE = "shard-00000.npz"  # the one shard of a model on one device
 SCRIPT = os.path.join(os.path.dirname(__file__), "_backup_workers.py")
 
 
@@ -149,8 +150,8 @@ def _flip_byte(path):
 @pytest.mark.parametrize(
     "damage, target",
     [
-        (_truncate, "state.npz"),
-        (_flip_byte, "state.npz"),
+        (_truncate, STATE),
+        (_flip_byte, STATE),
         (_truncate, "manifest.json"),
         (os.remove, "manifest.json"),
     ],
@@ -158,7 +159,8 @@ def _flip_byte(path):
 def test_store_rejects_torn_backup_and_loads_the_previous(tmp_path, caplog, damage, target):
     store = _backup_store.BackupStore(str(tmp_path), max_to_keep=2)
     for step in (10, 20):
-        store.write(step, {"step": step}, [np.full((50, 50), step, np.float32), np.arange(step)])
+        arrays = [np.full((50, 50), step, np.float32), np.arange(step)]
+        store.write(step, {"step": step}, [_backup_store.NpzShard("/cpu:0", [0, 1], arrays)])
     damage(str(tmp_path / "ckpt-000000000020" / target))
     with caplog.at_level(logging.WARNING, logger="tfscale"):
         backup, rejected = store.load_newest()
@@ -175,7 +177,7 @@ def test_torn_newest_backup_falls_back_to_previous(tmp_path, reference, caplog):
         workers.train(str(backup_dir), max_to_keep=2, fail={"step": 22, "mode": "raise"})
     settle(backup_dir)
     assert backups(backup_dir) == ["ckpt-000000000015", "ckpt-000000000020"]
-    _truncate(str(backup_dir / "ckpt-000000000020" / "state.npz"))
+    _truncate(str(backup_dir / "ckpt-000000000020" / STATE))
     with caplog.at_level(logging.WARNING, logger="tfscale"):
         resumed = workers.train(str(backup_dir), max_to_keep=2, delete_checkpoint=False)
     assert "ckpt-000000000020 is unusable" in caplog.text
@@ -191,7 +193,7 @@ def test_all_backups_torn_is_an_error_not_a_fresh_start(tmp_path):
     backup_dir = tmp_path / "b"
     with pytest.raises(tfscale.callbacks.InjectedFault):
         workers.train(str(backup_dir), fail={"step": 12, "mode": "raise"})
-    _truncate(str(backup_dir / "ckpt-000000000010" / "state.npz"))
+    _truncate(str(backup_dir / "ckpt-000000000010" / STATE))
     with pytest.raises(tfscale.callbacks.UnusableBackupError, match="all 1 are torn or corrupt"):
         workers.train(str(backup_dir))
 
@@ -519,20 +521,20 @@ def _rehash(backup):
     import hashlib
 
     manifest = json.loads((backup / "manifest.json").read_text())
-    state = (backup / "state.npz").read_bytes()
-    manifest["files"]["state.npz"] = {"size": len(state), "sha256": hashlib.sha256(state).hexdigest()}
+    state = (backup / STATE).read_bytes()
+    manifest["shards"][0].update(size=len(state), sha256=hashlib.sha256(state).hexdigest())
     (backup / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _keep_some_variables(backup, other):
-    with np.load(backup / "state.npz") as npz:
+    with np.load(backup / STATE) as npz:
         arrays = [npz[f"arr_{i}"] for i in range(len(npz.files))]
-    np.savez(backup / "state.npz", *arrays[:2])
+    np.savez(backup / STATE, *arrays[:2])
     _rehash(backup)
 
 
 def _state_of_another_model(backup, other):
-    (backup / "state.npz").write_bytes((other / "state.npz").read_bytes())
+    (backup / STATE).write_bytes((other / STATE).read_bytes())
     _rehash(backup)
 
 

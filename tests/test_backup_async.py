@@ -108,7 +108,7 @@ def test_sigterm_backup_is_written_before_exit_even_with_a_write_in_flight(tmp_p
 
 
 def test_backup_of_the_synchronous_writer_resumes_exactly_with_async(tmp_path, reference):
-    # The on-disk format did not change (format 1): a backup the synchronous code path
+    # One on-disk format for both: a backup the synchronous code path
     # wrote restores under async_save=True, and the reverse.
     backup_dir = str(tmp_path / "b")
     with pytest.raises(tfscale.callbacks.InjectedFault):

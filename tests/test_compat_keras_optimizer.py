@@ -181,7 +181,7 @@ def test_backup_mid_accumulation_cycle_resumes_exactly(tmp_path):
 
     with pytest.raises(_Fault):
         run(_FailAtMicroStep(6))  # After the backup at micro-step 6 (6 % 4 == 2).
-    saved = np.load(f"{backup_dir}/ckpt-000000000006/state.npz")
+    saved = np.load(f"{backup_dir}/ckpt-000000000006/shard-00000.npz")
     accumulators = [saved[k] for k in saved.files[-len(workers.build_model({}).trainable_weights) :]]
     assert all(np.abs(a).max() > 0 for a in accumulators)  # Mid-cycle: partial sums saved.
     weights, backup = run()

@@ -3,18 +3,23 @@
 Layout of `backup_dir`:
 
     ckpt-000000000120/          a published backup (120 = global step it resumes at)
-        state.npz               variable values, in model / optimizer order
-        manifest.json           written last: metadata + size and sha256 of state.npz
+        shard-00000.npz         values of the variables on one device of this process
+        shard-00001.tensors     values of the variables of another task, written there
+        manifest.json           written last: metadata, each shard's variables, size, checksum
     .tmp-ckpt-...               a backup being written (or left by a crash; removed later)
     rejected-ckpt-...           a backup that failed verification, kept for inspection
 
-A backup is usable only if its manifest parses and `state.npz` has the recorded size
-and sha256, so a torn or truncated backup is never loaded. Nothing here imports
-TensorFlow: the store deals in numpy arrays and JSON-able metadata.
+A backup is usable only if its manifest parses and every shard it lists has the
+recorded size and checksum, all checked before anything is returned (a restore loads
+all or nothing), so a torn, truncated or incomplete backup is never loaded. Format 1
+backups (one `state.npz`) still load. Nothing here imports TensorFlow: the store writes
+and verifies the `.npz` shards itself (sha256); a shard of another kind is an object
+that writes itself (`write(path) -> record`) and a reader that verifies it, given by
+the caller (`_backup_placed` for the shards written on another task).
 
 The directory may hold other files (it may be the user's `model_dir`): the store only
 ever removes entries it recognises as its own -- a name of the forms above and no file
-in it but `state.npz` and `manifest.json` -- and it removes those file by file, so
+in it but `manifest.json`, `state.npz` and `shard-NNNNN.*` -- and it removes those file by file, so
 anything else put inside one survives (the directory then stays).
 """
 
@@ -30,17 +35,18 @@ import numpy as np
 
 from tfscale.errors import Error
 
-__all__ = ["BackupStore", "LoadedBackup", "UnusableBackupError"]
+__all__ = ["BackupStore", "LoadedBackup", "NpzShard", "UnusableBackupError"]
 
 _log = logging.getLogger("tfscale")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: one state.npz; 2: shards listed in the manifest
+_READABLE_FORMATS = (1, 2)
 _PREFIX = "ckpt-"
 _TMP_PREFIX = ".tmp-"
 _REJECTED_PREFIX = "rejected-"
 _STATE = "state.npz"
 _MANIFEST = "manifest.json"
-_OWN_FILES = frozenset((_STATE, _MANIFEST))
+_OWN_FILE = re.compile(r"manifest\.json|state\.npz|shard-[0-9]{5}\.(npz|tensors)")
 _PUBLISHED = re.compile(r"ckpt-[0-9]{12,}")
 # Temporary entries: a backup being written (`write`) or an old one moved aside (`_publish`).
 _TEMPORARY = re.compile(r"\.tmp-(ckpt-[0-9]{12,}-[0-9]+|old)-[0-9a-f]{8}")
@@ -57,7 +63,7 @@ class LoadedBackup:
 
     path: str
     meta: dict
-    arrays: list
+    arrays: list  # numpy arrays, or tensors held on another task (placed shards)
 
 
 def _fsync_dir(path):
@@ -76,6 +82,10 @@ def _sha256(path):
     return digest.hexdigest()
 
 
+def _is_index(value):
+    return type(value) is int and value >= 0
+
+
 def _write_synced(path, write):
     with open(path, "wb") as f:
         write(f)
@@ -85,14 +95,22 @@ def _write_synced(path, write):
 
 def _holds_only_own_files(path):
     try:
-        return os.path.isdir(path) and not os.path.islink(path) and set(os.listdir(path)) <= _OWN_FILES
+        return (
+            os.path.isdir(path)
+            and not os.path.islink(path)
+            and all(_OWN_FILE.fullmatch(n) for n in os.listdir(path))
+        )
     except OSError:
         return False
 
 
 def _remove_own(path):
     """Removes one of the store's entries file by file; True if it is gone."""
-    for name in _OWN_FILES:
+    try:
+        names = [n for n in os.listdir(path) if _OWN_FILE.fullmatch(n)]
+    except OSError:
+        names = []
+    for name in names:
         try:
             os.unlink(os.path.join(path, name))
         except FileNotFoundError:
@@ -105,17 +123,51 @@ def _remove_own(path):
     return True
 
 
+class NpzShard:
+    """Host copies of the variables of one device of this process, written as one `.npz`.
+
+    Args:
+        device: where the variables live (recorded in the manifest).
+        indices: their positions in the backup's variable list.
+        arrays: their values (host copies).
+    """
+
+    kind = "npz"
+
+    def __init__(self, device, indices, arrays):
+        self.device, self.indices, self.arrays = device, list(indices), arrays
+
+    def write(self, path):
+        _write_synced(path, lambda f: np.savez(f, *self.arrays))
+        return {"size": os.path.getsize(path), "sha256": _sha256(path)}
+
+    @staticmethod
+    def read(path, record):
+        size = os.path.getsize(path)
+        if size != record["size"]:
+            raise UnusableBackupError(
+                f"{os.path.basename(path)} has {size} bytes, manifest says {record['size']}"
+            )
+        if _sha256(path) != record["sha256"]:
+            raise UnusableBackupError(f"{os.path.basename(path)} does not match its sha256 in the manifest")
+        with np.load(path, allow_pickle=False) as npz:
+            return [npz[f"arr_{i}"] for i in range(len(npz.files))]
+
+
 class BackupStore:
     """Writes, verifies, lists and prunes the backups in one directory.
 
     Args:
         directory: the backup directory (created on first write).
         max_to_keep: how many published backups to keep (>= 1).
+        readers: `{kind: read(path, record) -> values}` for shard kinds other than
+            `npz`; `read` verifies the shard and raises `UnusableBackupError` if not.
     """
 
-    def __init__(self, directory, max_to_keep):
+    def __init__(self, directory, max_to_keep, readers=None):
         self.directory = directory
         self.max_to_keep = max_to_keep
+        self.readers = {NpzShard.kind: NpzShard.read, **(readers or {})}
 
     def name(self, step):
         return f"{_PREFIX}{step:012d}"
@@ -149,21 +201,32 @@ class BackupStore:
     def step_of(self, name):
         return int(name[len(_PREFIX) :])
 
-    def write(self, step, meta, arrays):
-        """Writes a backup aside, then publishes it with one rename; returns its path."""
+    def write(self, step, meta, shards):
+        """Writes a backup aside, then publishes it with one rename; returns its path.
+
+        `shards`: `NpzShard`s, or objects with the same `kind`, `device`, `indices` and
+        `write(path) -> record` (a placed shard writes itself where its variables live).
+        """
         os.makedirs(self.directory, exist_ok=True)
         tmp = os.path.join(
             self.directory, f"{_TMP_PREFIX}{self.name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
         os.mkdir(tmp)
         try:
-            state_path = os.path.join(tmp, _STATE)
-            _write_synced(state_path, lambda f: np.savez(f, *arrays))
-            manifest = {
-                "format": FORMAT_VERSION,
-                "meta": meta,
-                "files": {_STATE: {"size": os.path.getsize(state_path), "sha256": _sha256(state_path)}},
-            }
+            records = []
+            for i, shard in enumerate(shards):
+                name = f"shard-{i:05d}.{shard.kind}"
+                record = shard.write(os.path.join(tmp, name))
+                records.append(
+                    {
+                        "file": name,
+                        "kind": shard.kind,
+                        "device": shard.device,
+                        "variables": shard.indices,
+                        **record,
+                    }
+                )
+            manifest = {"format": FORMAT_VERSION, "meta": meta, "shards": records}
             payload = json.dumps(manifest, indent=1, sort_keys=True).encode()
             _write_synced(os.path.join(tmp, _MANIFEST), lambda f: f.write(payload))
             _fsync_dir(tmp)
@@ -223,17 +286,15 @@ class BackupStore:
         try:
             with open(os.path.join(path, _MANIFEST), "rb") as f:
                 manifest = json.loads(f.read().decode())
-            expected = manifest["files"][_STATE]
-            state_path = os.path.join(path, _STATE)
-            size = os.path.getsize(state_path)
-            if size != expected["size"]:
-                raise UnusableBackupError(f"{_STATE} has {size} bytes, manifest says {expected['size']}")
-            if _sha256(state_path) != expected["sha256"]:
-                raise UnusableBackupError(f"{_STATE} does not match its sha256 in the manifest")
-            with np.load(state_path, allow_pickle=False) as npz:
-                arrays = [npz[f"arr_{i}"] for i in range(len(npz.files))]
-            if manifest["format"] != FORMAT_VERSION:
-                raise UnusableBackupError(f"format {manifest['format']!r:.50}, expected {FORMAT_VERSION}")
+            if manifest["format"] not in _READABLE_FORMATS:
+                raise UnusableBackupError(
+                    f"format {manifest['format']!r:.50}, expected one of {_READABLE_FORMATS} "
+                    "(made by a newer tfscale: restore it with that version, or start a fresh `backup_dir`)"
+                )
+            if manifest["format"] == 1:
+                arrays = NpzShard.read(os.path.join(path, _STATE), manifest["files"][_STATE])
+            else:
+                arrays = self._read_shards(path, manifest["shards"])
             backup = LoadedBackup(path=path, meta=manifest["meta"], arrays=arrays)
         except UnusableBackupError:
             raise
@@ -243,6 +304,30 @@ class BackupStore:
         if check is not None:
             check(backup)
         return backup
+
+    def _read_shards(self, path, records):
+        """Every shard verified and read before any value is returned (all or nothing)."""
+        arrays = {}
+        for record in records:
+            name = record["file"]
+            if not (isinstance(name, str) and _OWN_FILE.fullmatch(name)):
+                raise UnusableBackupError(f"its manifest names an unknown shard file {name!r:.80}")
+            if record["kind"] not in self.readers:
+                raise UnusableBackupError(
+                    f"shard {name} is of kind {record['kind']!r:.50}, which this process cannot read"
+                )
+            values = self.readers[record["kind"]](os.path.join(path, name), record)
+            if len(values) != len(record["variables"]):
+                raise UnusableBackupError(
+                    f"{name} holds {len(values)} values, manifest says {len(record['variables'])}"
+                )
+            for index, value in zip(record["variables"], values):
+                if not _is_index(index) or index in arrays:
+                    raise UnusableBackupError(f"its manifest gives {name} a bad variable index {index!r:.50}")
+                arrays[index] = value
+        if sorted(arrays) != list(range(len(arrays))):
+            raise UnusableBackupError("its shards do not hold every variable once")
+        return [arrays[i] for i in range(len(arrays))]
 
     def load_newest(self, check=None):
         """The newest usable backup (falling back over torn ones, with a log line), or None.

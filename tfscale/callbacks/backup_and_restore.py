@@ -10,9 +10,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfscale.callbacks import _backup_cluster
+from tfscale.callbacks import _backup_cluster, _backup_placed
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
-from tfscale.callbacks._backup_store import BackupStore, UnusableBackupError
+from tfscale.callbacks._backup_store import BackupStore, NpzShard, UnusableBackupError
 from tfscale.callbacks._backup_writer import BackgroundWriter, wait_for_directory
 from tfscale.compat import keras_fit_position, tf_function_tracing
 from tfscale.errors import Error
@@ -77,6 +77,23 @@ def _quiet_tracing(function):
     return tf_function_tracing.quiet_retracing(function)
 
 
+def _group_by_device(variables):
+    """Variable indices grouped by where they live: `(this process's devices, other tasks)`.
+
+    Each is a list of `(device, [indices])` in first-seen order. A replicated variable
+    (a strategy's mirrored variable) counts once, on its primary device.
+    """
+    here = tf.zeros(()).device  # this process's task (a job:localhost or cluster name)
+    local, other = {}, {}
+    for i, v in enumerate(variables):
+        device = v.value.device or here
+        if _backup_placed.is_other_task(device, here):
+            other.setdefault(_backup_placed.task_cpu(device), []).append(i)
+        else:
+            local.setdefault(device, []).append(i)
+    return list(local.items()), list(other.items())
+
+
 def _signature(variables):
     return [[v.path, list(v.shape), str(v.dtype)] for v in variables]
 
@@ -132,12 +149,13 @@ def _check_consistent(backup):
             raise torn(f"has no valid `{key}` list")
         signature += meta[key]
     if len(signature) != len(backup.arrays):
-        raise torn(f"lists {len(signature)} variables, state.npz holds {len(backup.arrays)}")
+        raise torn(f"lists {len(signature)} variables, its shards hold {len(backup.arrays)}")
     for i, ((name, shape, dtype), array) in enumerate(zip(signature, backup.arrays)):
-        if list(array.shape) != shape or str(array.dtype) != dtype:
+        # `.dtype.name` reads the same for numpy arrays and tensors (placed shards).
+        if list(array.shape) != shape or array.dtype.name != dtype:
             raise torn(
                 f"says variable {i} ({name!r:.80}) is {tuple(shape)} {dtype:.20}, "
-                f"state.npz holds {array.shape} {array.dtype}"
+                f"its shard holds {tuple(array.shape)} {array.dtype.name}"
             )
 
 
@@ -187,8 +205,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             skipped). A failed background write raises `BackupWriteError` at the next
             step. The SIGTERM backup is written synchronously, and `fit` ends only
             after the last write is published. The price: a crash while a write is in
-            flight loses that backup too (up to `save_freq` + the steps run during the
-            write, instead of `save_freq`), and after a `fit` that raised the write in
+            flight loses that backup too (at most `save_freq - 1` + the steps run during
+            the write, and so at most `2 * save_freq - 1`, since the next backup waits for
+            the write; synchronous: `save_freq - 1`), and after a `fit` that raised the write in
             flight is still published (the next `fit` waits for it). Off by default,
             like Keras, TensorFlow and Orbax: a backup is on disk when its step ends.
 
@@ -224,7 +243,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.max_to_keep = max_to_keep or (2 if double_checkpoint else 1)
         self.save_before_preemption = save_before_preemption
         self.async_save = async_save
-        self._store = BackupStore(self.backup_dir, self.max_to_keep)
+        self._store = BackupStore(
+            self.backup_dir, self.max_to_keep, readers={_backup_placed.KIND: _backup_placed.read}
+        )
         self._writer = BackgroundWriter(self.backup_dir)
         self._read_key, self._read_fn = None, None
         self.restored_from = None  # meta of the backup the last `fit` resumed from
@@ -265,27 +286,51 @@ class BackupAndRestore(keras.callbacks.Callback):
         }
 
     def _snapshot(self):
-        """Host copies of every variable (model, then optimizer), read in one tf.function.
+        """The state as shards: one per device of this process, one per other task.
 
-        One function call instead of one eager read per variable: under
-        `MultiWorkerMirroredStrategy` each eager read of a sync-on-read variable is a
-        collective that warns about eager overhead. `np.array` copies, so the steps that
-        run while a background write is in flight cannot change what it writes.
+        The variables of this process are read in one tf.function (one call instead of
+        one eager read per variable: under `MultiWorkerMirroredStrategy` each eager read
+        of a sync-on-read variable is a collective that warns about eager overhead) and
+        copied to host memory, grouped by device. The variables of another task are
+        serialized on that task and stay there (`_backup_placed`): they never pass
+        through this process. Both are copies, so the steps that run while a background
+        write is in flight cannot change what it writes.
         """
+        read_local, placed = self._snapshot_function()
         # `Tensor.numpy()` copies (documented); asarray only turns scalars into 0-d arrays.
-        return [np.asarray(t.numpy()) for t in self._snapshot_function()()]
+        values = [np.asarray(t.numpy()) for t in read_local()]
+        shards, start = [], 0
+        for device, indices in self._layout[0]:
+            shards.append(NpzShard(device, indices, values[start : start + len(indices)]))
+            start += len(indices)
+        for device, indices, serialize, dtypes in placed:
+            shards.append(_backup_placed.PlacedShard(device, indices, serialize(), dtypes))
+        return shards
 
     def _snapshot_function(self):
-        """The tf.function that reads every variable, traced once per set of variables."""
+        """`(read_local, [(task, indices, serialize, dtypes)])`, traced once per set of variables."""
         model_vars, opt_vars = self._variables()
         variables = model_vars + opt_vars
         key = tuple(id(v) for v in variables)
         if key != self._read_key:
-            values = [v.value for v in variables]
+            local, other = _group_by_device(variables)
+            values = [variables[i].value for _, indices in local for i in indices]
             self._read_fn = _quiet_tracing(tf.function(lambda: [tf.identity(v) for v in values]))
             self._read_fn.get_concrete_function()  # traced now, not in the first backup's step
+            self._layout = (
+                local,
+                [
+                    (
+                        device,
+                        indices,
+                        _backup_placed.snapshot_function(device, [variables[i] for i in indices]),
+                        [str(variables[i].dtype) for i in indices],
+                    )
+                    for device, indices in other
+                ],
+            )
             self._read_key = key
-        return self._read_fn
+        return self._read_fn, self._layout[1]
 
     def _raise_write_error(self):
         error = self._writer.take_error()
@@ -310,27 +355,31 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._writer.wait()
         self._raise_write_error()
         # Every worker reads the values: reading a sync-on-read variable is a collective.
-        arrays = self._snapshot()
+        shards = self._snapshot()
         meta = self._meta(at_epoch_end)
         self._last_saved = self._global_step
         if not self._role.writer:
             return
         job = functools.partial(
-            self._write, self._global_step, meta, arrays, reason, (self._epoch, self._step)
+            self._write, self._global_step, meta, shards, reason, (self._epoch, self._step)
         )
         if self.async_save and not sync:
             self._writer.submit(job)
         else:
             job()
 
-    def _write(self, global_step, meta, arrays, reason, position):
+    def _write(self, global_step, meta, shards, reason, position):
         """Writes, publishes and prunes one backup (on the background thread if async)."""
         try:
-            path = self._store.write(global_step, meta, arrays)
+            path = self._store.write(global_step, meta, shards)
             self._store.prune(global_step)
-        except OSError as e:
-            where = e.filename or self.backup_dir
-            why = e.strerror or (str(e.args[0]) if e.args else type(e).__name__)
+        except (OSError, tf.errors.OpError) as e:  # OpError: a placed shard's write failed
+            where = getattr(e, "filename", None) or self.backup_dir
+            why = (
+                getattr(e, "strerror", None)
+                or getattr(e, "message", None)
+                or (str(e.args[0]) if e.args else type(e).__name__)
+            )
             newest = self._store.published()
             kept = os.path.join(self.backup_dir, newest[0]) if newest else "none"
             raise BackupWriteError(

@@ -1,0 +1,152 @@
+"""Functions run in the tasks of a local cluster by tests/test_hybrid_cluster.py.
+
+Task 0 (worker 0) is the client that trains; the other task serves its devices and returns
+None once the client has gone. `train` is also run in the test process on one device, as
+the reference.
+"""
+
+import re
+import subprocess
+import time
+
+import numpy as np
+
+EPOCHS, BATCH, SAMPLES = 2, 16, 32
+CLUSTER_TIMEOUT = 60.0
+
+
+def model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(12, activation="relu"),
+            keras.layers.Dense(10, activation="tanh"),
+            keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
+            keras.layers.Dense(3),
+        ],
+        name="mlp",
+    )
+
+
+def data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
+    return x, rng.normal(size=(SAMPLES, 3)).astype("float32")
+
+
+def compile_(m):
+    import keras
+
+    m.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse", metrics=["mae"])
+    return m
+
+
+def train(m, epochs=EPOCHS, callbacks=()):
+    x, y = data()
+    history = m.fit(
+        x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks)
+    )
+    return history.history
+
+
+def _connect(cpu_devices):
+    import tfscale.strategies
+    from tfscale.cluster import ClusterSpec
+
+    tfscale.strategies.split_cpu(cpu_devices)
+    return tfscale.strategies.connect_cluster(ClusterSpec.from_env(), cluster_timeout=CLUSTER_TIMEOUT)
+
+
+def _cluster_ports():
+    from tfscale.cluster import ClusterSpec
+
+    return {int(a.rpartition(":")[2]) for _, _, a in ClusterSpec.from_env().tasks()}
+
+
+def _bytes_between_tasks(ports):
+    """Bytes sent so far on every TCP connection to a task's port (both ends are on this
+    host, so each byte sent counts once), read from the kernel with `ss`."""
+    out = subprocess.run(["ss", "-tinH", "state", "established"], capture_output=True, text=True).stdout
+    total, lines = 0, out.splitlines()
+    for head, info in zip(lines[::2], lines[1::2]):
+        addresses = head.split()[-2:]
+        if any(int(a.rpartition(":")[2]) in ports for a in addresses):
+            match = re.search(r"bytes_sent:(\d+)", info)
+            total += int(match.group(1)) if match else 0
+    return total
+
+
+def _placement(pipelined):
+    """Per replica and stage: the devices of its variables and of their optimizer slots."""
+    from tfscale.strategies._placement import variable_device
+
+    optimizers = pipelined._plan.data_parallel.optimizers or [pipelined.optimizer]
+    rows = []
+    for stages, optimizer in zip(pipelined.replicas, optimizers):
+        slots = {v.path.split("/", 1)[1]: v for v in optimizer.variables}
+        rows.append(
+            [
+                {
+                    "variables": sorted({variable_device(v) for v in stage.trainable_variables}),
+                    "slots": sorted(
+                        {
+                            variable_device(slots[v.path.replace("/", "_") + "_momentum"])
+                            for v in stage.trainable_variables
+                        }
+                    ),
+                }
+                for stage in stages
+            ]
+        )
+    return rows
+
+
+def _errors(make):
+    import tfscale
+
+    try:
+        make()
+    except tfscale.Error as error:
+        return str(error)
+    return None
+
+
+def pipeline(shape):
+    """Trains the MLP as `shape` ("stages": one stage per task; "hybrid": 2 devices a task,
+    data parallel across the tasks); returns losses, weights, placement, bytes and step time."""
+    if not _connect(2 if shape == "hybrid" else 1):
+        return None
+    import tfscale.strategies
+
+    remote = "/job:worker/replica:0/task:{}/device:CPU:{}"
+    if shape == "stages":
+        options = {"num_stages": 2, "devices": [remote.format(0, 0), remote.format(1, 0)]}
+    else:  # What the user writes on one host: the default devices are now the cluster's.
+        options = {"num_stages": 2, "data_parallel": 2}
+    strategy = tfscale.strategies.get("pipeline", num_microbatches=2, balance="uniform", **options)
+    pipelined = compile_(strategy.split(model()))
+    history = train(pipelined)
+    result = {
+        "history": history,
+        "weights": [np.asarray(w) for w in pipelined.get_weights()],
+        "placement": _placement(pipelined),
+        "devices": strategy.devices,
+    }
+    # One more epoch, measured: bytes on the wire between the tasks, and time per step.
+    ports, steps = _cluster_ports(), SAMPLES // BATCH
+    before, start = _bytes_between_tasks(ports), time.perf_counter()
+    train(pipelined, epochs=1)
+    result["step_seconds"] = (time.perf_counter() - start) / steps
+    result["bytes_per_step"] = (_bytes_between_tasks(ports) - before) / steps
+    result["bad_task"] = _errors(
+        lambda: tfscale.strategies.get(
+            "pipeline", num_stages=2, devices=[remote.format(0, 0), remote.format(7, 0)]
+        )
+    )
+    result["too_many"] = _errors(
+        lambda: tfscale.strategies.get("pipeline", num_stages=2, data_parallel=len(strategy.devices))
+    )
+    return result

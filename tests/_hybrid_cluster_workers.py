@@ -13,6 +13,7 @@ import numpy as np
 
 EPOCHS, BATCH, SAMPLES = 2, 16, 32
 CLUSTER_TIMEOUT = 60.0
+MEASURED_EPOCHS = 5
 
 
 def model():
@@ -69,7 +70,9 @@ def _cluster_ports():
 def _bytes_between_tasks(ports):
     """Bytes sent so far on every TCP connection to a task's port (both ends are on this
     host, so each byte sent counts once), read from the kernel with `ss`."""
-    out = subprocess.run(["ss", "-tinH", "state", "established"], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ss", "-tinH", "state", "established"], check=True, capture_output=True, text=True
+    ).stdout
     total, lines = 0, out.splitlines()
     for head, info in zip(lines[::2], lines[1::2]):
         addresses = head.split()[-2:]
@@ -135,10 +138,10 @@ def pipeline(shape):
         "placement": _placement(pipelined),
         "devices": strategy.devices,
     }
-    # One more epoch, measured: bytes on the wire between the tasks, and time per step.
-    ports, steps = _cluster_ports(), SAMPLES // BATCH
+    # More epochs, measured: bytes on the wire between the tasks, and time per step.
+    ports, steps = _cluster_ports(), MEASURED_EPOCHS * SAMPLES // BATCH
     before, start = _bytes_between_tasks(ports), time.perf_counter()
-    train(pipelined, epochs=1)
+    train(pipelined, epochs=MEASURED_EPOCHS)
     result["step_seconds"] = (time.perf_counter() - start) / steps
     result["bytes_per_step"] = (_bytes_between_tasks(ports) - before) / steps
     result["bad_task"] = _errors(

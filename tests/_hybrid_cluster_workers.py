@@ -5,7 +5,9 @@ None once the client has gone. `train` is also run in the test process on one de
 the reference.
 """
 
+import os
 import re
+import signal
 import subprocess
 import time
 
@@ -153,3 +155,55 @@ def pipeline(shape):
         lambda: tfscale.strategies.get("pipeline", num_stages=2, data_parallel=len(strategy.devices))
     )
     return result
+
+
+class _KillTask:
+    """Kills the task whose pid is in `pid_path` with SIGKILL after global batch `at`."""
+
+    def __new__(cls, at, pid_path):
+        import keras
+
+        class Kill(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.seen = 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.seen += 1
+                if self.seen == at:
+                    with open(pid_path) as f:
+                        os.kill(int(f.read()), signal.SIGKILL)
+
+        return Kill()
+
+
+def resumable(workdir, kill_at=None):
+    """The 2 x 2 hybrid job with `BackupAndRestore(save_freq=1)` in `workdir`/backup.
+
+    Task 1 writes its pid first; with `kill_at`, the client kills it (SIGKILL) after that
+    many batches of this run, mid-epoch, and the next step fails. Returns the client's
+    final weights and the path of its weights file.
+    """
+    from tfscale.cluster import ClusterSpec
+
+    pid_path = os.path.join(workdir, "task1.pid")
+    if ClusterSpec.from_env().task_index == 1:
+        with open(pid_path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_path + ".tmp", pid_path)
+    if not _connect(2):
+        return None
+    import tfscale.callbacks
+    import tfscale.strategies
+
+    strategy = tfscale.strategies.get(
+        "pipeline", num_stages=2, num_microbatches=2, data_parallel=2, balance="uniform"
+    )
+    pipelined = compile_(strategy.split(model()))
+    callbacks = [tfscale.callbacks.BackupAndRestore(os.path.join(workdir, "backup"), save_freq=1)]
+    if kill_at is not None:
+        callbacks.append(_KillTask(kill_at, pid_path))
+    history = train(pipelined, callbacks=callbacks)
+    path = os.path.join(workdir, "hybrid.weights.h5")
+    pipelined.save_weights(path)
+    return {"history": history, "weights": [np.asarray(w) for w in pipelined.get_weights()], "path": path}

@@ -6,6 +6,7 @@ the tasks (2 x 2). Each is compared with the unsplit model trained in this proce
 device with the same global batch (losses rtol 1e-5, weights atol 1e-5).
 """
 
+import signal
 import time
 
 import _hybrid_cluster_workers as workers
@@ -64,8 +65,13 @@ def test_stages_on_two_processes_train_like_one_device(reference):
     assert "\n" not in result["bad_task"] + result["too_many"]
 
 
-def test_pipeline_in_each_process_data_parallel_across_them(reference):
-    result = _run("hybrid")
+@pytest.fixture(scope="module")
+def hybrid():
+    return _run("hybrid")
+
+
+def test_pipeline_in_each_process_data_parallel_across_them(reference, hybrid):
+    result = hybrid
     _assert_like_reference(result, reference)
     # Written as on one host (no device names); replica d's two stages on task d's two CPUs.
     assert result["devices"] == ["/device:CPU:0", "/device:CPU:1", TASK.format(1, 0), TASK.format(1, 1)]
@@ -87,3 +93,23 @@ def test_unreachable_task_fails_within_the_timeout_naming_it():
     ):
         connect_cluster(cluster, cluster_timeout=2)
     assert time.monotonic() - start < 10
+
+
+def test_killed_task_of_hybrid_job_resumes_from_backup(hybrid, tmp_path):
+    # Attempt 1: after 3 of the 4 steps (mid-epoch 2) the client SIGKILLs task 1, which
+    # serves copy 1's stages; the client's next step fails, and so does the attempt.
+    failed = run_local_cluster(
+        workers.resumable, 2, args=(str(tmp_path), 3), timeout=240, env=ENV, check=False
+    )
+    assert failed[1].returncode == -signal.SIGKILL
+    assert failed[0].returncode != 0 and failed[0].value is None
+    # Attempt 2: both tasks restarted (new ports); the backup resumes the step after the last one.
+    resumed = run_local_cluster(workers.resumable, 2, args=(str(tmp_path),), timeout=240, env=ENV)[0].value
+    assert len(resumed["history"]["loss"]) == 1  # Only epoch 2 ran again: a resume, not a rerun.
+    for got, want in zip(resumed["weights"], hybrid["weights"]):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    # The hybrid model's weights file is the unsplit model's.
+    unsplit = workers.model()
+    unsplit.load_weights(resumed["path"])
+    for got, want in zip(unsplit.get_weights(), resumed["weights"]):
+        np.testing.assert_array_equal(got, want)

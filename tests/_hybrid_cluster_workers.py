@@ -14,30 +14,35 @@ import time
 import numpy as np
 
 EPOCHS, BATCH, SAMPLES = 2, 16, 32
+HIDDEN = (12, 10, 8)
 CLUSTER_TIMEOUT = 60.0
 MEASURED_EPOCHS = 5
+# Sizes for the bytes measurement (`python tests/_hybrid_cluster_workers.py`): hidden
+# widths, global batch. "test" is the tests' model; the others scale the activations
+# (batch) or the parameters (width) that each shape sends across.
+SIZES = {"test": (HIDDEN, BATCH), "wide": ((512, 512, 512), 32), "big-batch": ((64, 64, 64), 4096)}
 
 
-def model():
+def model(hidden=HIDDEN):
     import keras
 
     keras.utils.set_random_seed(0)
     return keras.Sequential(
         [
             keras.Input((6,)),
-            keras.layers.Dense(12, activation="relu"),
-            keras.layers.Dense(10, activation="tanh"),
-            keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
+            keras.layers.Dense(hidden[0], activation="relu"),
+            keras.layers.Dense(hidden[1], activation="tanh"),
+            keras.layers.Dense(hidden[2], activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
             keras.layers.Dense(3),
         ],
         name="mlp",
     )
 
 
-def data():
+def data(samples=SAMPLES):
     rng = np.random.default_rng(1)
-    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
-    return x, rng.normal(size=(SAMPLES, 3)).astype("float32")
+    x = rng.normal(size=(samples, 6)).astype("float32")
+    return x, rng.normal(size=(samples, 3)).astype("float32")
 
 
 def compile_(m):
@@ -47,10 +52,10 @@ def compile_(m):
     return m
 
 
-def train(m, epochs=EPOCHS, callbacks=()):
-    x, y = data()
+def train(m, epochs=EPOCHS, callbacks=(), batch=BATCH):
+    x, y = data(2 * batch)
     history = m.fit(
-        x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks)
+        x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks)
     )
     return history.history
 
@@ -109,6 +114,20 @@ def _placement(pipelined):
     return rows
 
 
+def _payload(shape, hidden, batch, pipelined):
+    """The tensors that must cross between the tasks each step (float32 bytes).
+
+    Stages on two tasks: the cut's activation forward and its gradient back, for every
+    micro-batch (2 x (S - 1) x batch x width), and the targets to the last stage.
+    2 x 2: each task's packed gradients of each stage to the other (2 x (D - 1) x
+    parameters), and copy 1's half of the batch (inputs and targets).
+    """
+    if shape == "stages":
+        return 4 * (2 * batch * hidden[1] + batch * 3)
+    params = sum(int(np.prod(v.shape)) for v in pipelined.trainable_variables)
+    return 4 * (2 * params + batch // 2 * (6 + 3))
+
+
 def _errors(make):
     import tfscale
 
@@ -119,9 +138,13 @@ def _errors(make):
     return None
 
 
-def pipeline(shape):
+def pipeline(shape, size="test"):
     """Trains the MLP as `shape` ("stages": one stage per task; "hybrid": 2 devices a task,
-    data parallel across the tasks); returns losses, weights, placement, bytes and step time."""
+    data parallel across the tasks); returns losses, weights, placement, bytes and step time.
+
+    `size`: a key of `SIZES` (the tests use "test").
+    """
+    hidden, batch = SIZES[size]
     if not _connect(2 if shape == "hybrid" else 1):
         return None
     import tfscale.strategies
@@ -132,8 +155,8 @@ def pipeline(shape):
     else:  # What the user writes on one host: the default devices are now the cluster's.
         options = {"num_stages": 2, "data_parallel": 2}
     strategy = tfscale.strategies.get("pipeline", num_microbatches=2, balance="uniform", **options)
-    pipelined = compile_(strategy.split(model()))
-    history = train(pipelined)
+    pipelined = compile_(strategy.split(model(hidden)))
+    history = train(pipelined, batch=batch)
     result = {
         "history": history,
         "weights": [np.asarray(w) for w in pipelined.get_weights()],
@@ -141,11 +164,12 @@ def pipeline(shape):
         "devices": strategy.devices,
     }
     # More epochs, measured: bytes on the wire between the tasks, and time per step.
-    ports, steps = _cluster_ports(), MEASURED_EPOCHS * SAMPLES // BATCH
+    ports, steps = _cluster_ports(), MEASURED_EPOCHS * 2
     before, start = _bytes_between_tasks(ports), time.perf_counter()
-    train(pipelined, epochs=MEASURED_EPOCHS)
+    train(pipelined, epochs=MEASURED_EPOCHS, batch=batch)
     result["step_seconds"] = (time.perf_counter() - start) / steps
     result["bytes_per_step"] = (_bytes_between_tasks(ports) - before) / steps
+    result["bytes_formula"] = _payload(shape, hidden, batch, pipelined)
     result["bad_task"] = _errors(
         lambda: tfscale.strategies.get(
             "pipeline", num_stages=2, devices=[remote.format(0, 0), remote.format(7, 0)]
@@ -207,3 +231,26 @@ def resumable(workdir, kill_at=None):
     path = os.path.join(workdir, "hybrid.weights.h5")
     pipelined.save_weights(path)
     return {"history": history, "weights": [np.asarray(w) for w in pipelined.get_weights()], "path": path}
+
+
+if __name__ == "__main__":
+    # Bytes between the two tasks per step, measured beside the payload formula, and the
+    # step time, for both shapes at each size (about 2 minutes on 2 busy cores).
+    import sys
+
+    from tfscale.launch import run_local_cluster
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _hybrid_cluster_workers as workers  # By name: a task cannot import `__main__`.
+
+    print("| size | shape | bytes/step measured | payload formula | s/step |")
+    print("|---|---|---|---|---|")
+    for size in sys.argv[1:] or SIZES:
+        for shape in ("stages", "hybrid"):
+            env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+            r = run_local_cluster(workers.pipeline, 2, args=(shape, size), timeout=300, env=env)[0].value
+            print(
+                f"| {size} {SIZES[size]} | {shape} | {r['bytes_per_step']:.0f} | {r['bytes_formula']} "
+                f"| {r['step_seconds']:.4f} |",
+                flush=True,
+            )

@@ -16,10 +16,8 @@ import tensorflow as tf
 
 from tfscale.cluster import ClusterSpec
 from tfscale.launch import run_local_cluster
-from tfscale.strategies import connect_cluster
+from tfscale.strategies import PipelineStrategy, connect_cluster
 from tfscale.strategies._peers import ClusterTimeoutError
-
-pytestmark = pytest.mark.slow
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 RTOL, ATOL = 1e-5, 1e-5
@@ -50,6 +48,7 @@ def _assert_like_reference(result, reference):
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
 
 
+@pytest.mark.slow
 def test_stages_on_two_processes_train_like_one_device(reference):
     result = _run("stages")
     _assert_like_reference(result, reference)
@@ -70,6 +69,7 @@ def hybrid():
     return _run("hybrid")
 
 
+@pytest.mark.slow
 def test_pipeline_in_each_process_data_parallel_across_them(reference, hybrid):
     result = hybrid
     _assert_like_reference(result, reference)
@@ -95,6 +95,7 @@ def test_unreachable_task_fails_within_the_timeout_naming_it():
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.slow
 def test_killed_task_of_hybrid_job_resumes_from_backup(hybrid, tmp_path):
     # Attempt 1: after 3 of the 4 steps (mid-epoch 2) the client SIGKILLs task 1, which
     # serves copy 1's stages; the client's next step fails, and so does the attempt.
@@ -113,3 +114,32 @@ def test_killed_task_of_hybrid_job_resumes_from_backup(hybrid, tmp_path):
     unsplit.load_weights(resumed["path"])
     for got, want in zip(unsplit.get_weights(), resumed["weights"]):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_stage_is_updated_on_its_own_device():
+    # Across hosts, every tensor computed off a stage's device crosses the network. The
+    # optimizer's update and its gradient all-reduce (Keras places both on the default
+    # device), and the weight penalty's gradient, once moved 4x the remote stage's
+    # parameter bytes per step. Here no op off CPU:1 may consume a weight-sized tensor
+    # computed on CPU:1 (a read of a CPU:1 variable counts as on CPU:1).
+    strategy = PipelineStrategy(
+        num_stages=2, num_microbatches=2, devices=["/cpu:0", "/cpu:1"], balance="uniform"
+    )
+    pipelined = workers.compile_(strategy.split(workers.model((64, 64, 64))))
+    x, y = workers.data(16)
+    graph = tf.function(lambda a, b: pipelined.train_step((a, b))).get_concrete_function(x, y).graph
+    # A variable read runs where the variable lives: the captured handle's device.
+    handles_1 = {inner.op.name for outer, inner in graph.captures if outer.device.endswith("CPU:1")}
+    on_1 = {
+        op.name
+        for op in graph.get_operations()
+        if op.device.endswith("CPU:1") or (op.type == "ReadVariableOp" and op.inputs[0].op.name in handles_1)
+    }
+    crossing = [
+        f"{op.name} <- {t.op.name}"
+        for op in graph.get_operations()
+        if op.name not in on_1
+        for t in op.inputs
+        if t.op.name in on_1 and (t.shape.num_elements() or 0) >= 64 * 64
+    ]
+    assert crossing == []

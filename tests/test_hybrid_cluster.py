@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tfscale.cluster import ClusterSpec
 from tfscale.launch import run_local_cluster
-from tfscale.strategies import PipelineStrategy, connect_cluster
+from tfscale.strategies import PipelineStrategy, StrategyError, connect_cluster
 from tfscale.strategies._peers import ClusterTimeoutError
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -93,6 +93,9 @@ def test_unreachable_task_fails_within_the_timeout_naming_it():
     ):
         connect_cluster(cluster, cluster_timeout=2)
     assert time.monotonic() - start < 10
+    alone = ClusterSpec.from_hosts(workers=[f"127.0.0.1:{ports[0]}"]).with_task("worker", 0)
+    with pytest.raises(StrategyError, match=r"`cluster`.*a cluster of 1 task\(s\)"):
+        connect_cluster(alone)
 
 
 @pytest.mark.slow

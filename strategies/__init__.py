@@ -2,7 +2,8 @@
 
 Layout: `_builtin` (the `get` registry of tf.distribute strategies), `pipeline/` and
 `model_split/` (tfscale's two model-parallel strategies), and the layer both stand on:
-`_devices` (naming, discovery, resolving a device list), `_placement` (copying a chain of
+`_devices` (naming, discovery, resolving a device list), `_remote` (devices
+on other tasks of a cluster: `connect_cluster`), `_placement` (copying a chain of
 layers onto devices, gradients and optimizer slots beside their variables), `_partition`
 (cutting a chain into balanced parts), `_parts` (report and merge of a cut model).
 """
@@ -13,6 +14,7 @@ from tfscale.strategies._communication import configure as configure_communicati
 from tfscale.strategies._devices import split_cpu
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._partition import BalanceError
+from tfscale.strategies._remote import connect_cluster
 from tfscale.strategies.model_split import (
     ColumnParallelDense,
     HeadParallelMultiHeadAttention,
@@ -36,6 +38,7 @@ __all__ = [
     "StrategyError",
     "VocabParallelEmbedding",
     "configure_communication",
+    "connect_cluster",
     "get",
     "split_cpu",
 ]

@@ -14,6 +14,7 @@ import tensorflow as tf
 from tfscale.strategies._errors import StrategyError
 
 __all__ = [
+    "available_devices",
     "cpu_device_names",
     "device_key",
     "device_type",
@@ -22,7 +23,24 @@ __all__ = [
     "parse_device",
     "resolve_devices",
     "split_cpu",
+    "use_cluster",
 ]
+
+# Set by `use_cluster` once this process drives a cluster's devices (`_remote.connect`):
+# this task's own (job, (replica, task)), keyed as local, and every device of the cluster.
+_cluster = {"task": None, "devices": ()}
+
+
+def use_cluster(task, devices):
+    """Records that this process is task `task` ((job, replica, task)) driving `devices`.
+
+    From then on this task's own devices key as local (so '/cpu:0' and
+    '/job:worker/replica:0/task:0/device:CPU:0' name one device on the client), a remote
+    name must be one of `devices`, and the default devices are the cluster's, task by task.
+    """
+    job, replica, index = task
+    _cluster["task"] = (job, (replica, index))
+    _cluster["devices"] = tuple(devices)
 
 
 def split_cpu(num_devices):
@@ -98,6 +116,8 @@ def device_key(device):
         return None
     job = None if spec.job in (None, "localhost") else spec.job
     task = (spec.replica or 0, spec.task or 0) if job else (0, 0)
+    if job and (job, task) == _cluster["task"]:
+        job, task = None, (0, 0)  # The client's own task: its devices are local ones.
     return job, task, spec.device_type.upper(), spec.device_index or 0
 
 
@@ -124,6 +144,41 @@ def _canonical(device, argument):
     """'/device:TYPE:i' for a local name; a remote task's name is kept whole."""
     local = parse_device(device, argument)
     return tf.DeviceSpec.from_string(device).to_string() if device_key(device)[0] else local
+
+
+def available_devices():
+    """The devices the default placement draws from: the cluster's when this process drives
+    one (GPUs if any task has one, else CPUs, task by task), else this process's."""
+    devices = _cluster["devices"]
+    if devices:
+        gpus = [d for d in devices if device_type(d) == "GPU"]
+        return gpus or [d for d in devices if device_type(d) == "CPU"]
+    return local_device_names("GPU") or local_device_names("CPU")
+
+
+def _remote_devices():
+    """Every device this process can place on (starts the runtime: only for remote names)."""
+    if _cluster["devices"]:
+        return list(_cluster["devices"])
+    return [d.name for d in tf.config.list_logical_devices()]
+
+
+def _check_remote(name, given):
+    known = _remote_devices()
+    if device_key(name) in {device_key(d) for d in known}:
+        return
+    spec = tf.DeviceSpec.from_string(name)
+    tasks = {(tf.DeviceSpec.from_string(d).job, tf.DeviceSpec.from_string(d).task) for d in known}
+    why = (
+        f"task {spec.job}:{spec.task or 0} has no {spec.device_type}:{spec.device_index or 0}"
+        if (spec.job, spec.task or 0) in tasks
+        else f"task {spec.job}:{spec.task or 0} is not in the cluster this process is connected to"
+    )
+    remote = [d for d in known if d.startswith("/job:") and not d.startswith("/job:localhost")]
+    raise StrategyError(
+        f"Invalid value for argument `devices`. Received: device {given!r}, but {why}. Expected "
+        f"names from {remote or known} (connect first: tfscale.strategies.connect_cluster(cluster))."
+    )
 
 
 def resolve_devices(devices, count, *, count_argument, distinct):
@@ -163,9 +218,12 @@ def resolve_devices(devices, count, *, count_argument, distinct):
             "distinct devices, one per part."
         )
     for name, given in zip(names, devices):
+        if name.startswith("/job:"):
+            _check_remote(name, given)
+            continue
         kind = device_type(name)
         known = local_device_names(kind)
-        if not name.startswith("/job:") and name not in known:
+        if name not in known:
             raise StrategyError(
                 f"Invalid value for argument `devices`. Received: device {given!r}, which does not "
                 f"exist here. Expected names from {known or ['/device:CPU:0']}."
@@ -192,6 +250,15 @@ def first_devices(count, argument):
     Raises:
         StrategyError: too few GPUs, or TensorFlow already started with fewer CPU devices.
     """
+    if _cluster["devices"]:
+        devices = available_devices()
+        if count > len(devices):
+            raise StrategyError(
+                f"Invalid value for argument `{argument}`. Received: {argument}={count}, more than the "
+                f"{len(devices)} {device_type(devices[0])} device(s) of the cluster ({devices}). "
+                f"Expected at most {len(devices)}."
+            )
+        return [_canonical(d, argument) for d in devices[:count]]
     # Physical devices: asking for logical ones would start the runtime, and the host CPU
     # could then no longer be split below.
     gpus = local_device_names("GPU")

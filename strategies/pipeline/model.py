@@ -261,8 +261,10 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
                     continue
                 value = tf.add_n(stage_losses)
                 scaled = self.optimizer.scale_loss(value)
-            grads = tape.gradient(scaled, stage.trainable_variables)
             with tf.device(stage.device):
+                # On the stage's device: outside it the penalty's gradient would read the
+                # weights onto the default device (across hosts, 2x the weights per step).
+                grads = tape.gradient(scaled, stage.trainable_variables)
                 gradients[stage.index] = [
                     a if g is None else a + tf.convert_to_tensor(g)
                     for a, g in zip(gradients[stage.index], grads)

@@ -24,7 +24,7 @@ import logging
 import keras
 
 from tfscale.strategies import _partition, _parts
-from tfscale.strategies._devices import device_key, device_type, local_device_names, resolve_devices
+from tfscale.strategies._devices import available_devices, device_key, device_type, resolve_devices
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._options import positive_int, reject_unknown
 from tfscale.strategies._placement import clone_chain, model_input, variable_device
@@ -291,7 +291,7 @@ def _resolve(devices, num_stages, data_parallel):
     except StrategyError:
         if devices is not None:
             raise
-        have = len(local_device_names("GPU") or local_device_names("CPU"))
+        have = len(available_devices())
         check_data_parallel(data_parallel, num_stages, have, count_argument="num_stages")
         raise
     if len(set(map(device_key, names))) != count:

@@ -8,6 +8,8 @@ one device.
 
 import logging
 import os
+import subprocess
+import sys
 from unittest import mock
 
 import keras
@@ -83,6 +85,46 @@ def test_pipeline_dp2_x_pp2_killed_and_resumed_equals_one_device(one_device, dat
     # model.keras holds the merged model: the user's architecture, loadable without tfscale.
     for got, want in zip(_weights(model_dir), _weights(reference_dir), strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.slow
+def test_two_process_pipeline_under_the_launcher_killed_and_resumed_equals_the_uninterrupted_run(
+    data_dir, tmp_path
+):
+    # Uninterrupted: the same DP2 x PP2 in this process, on 4 logical CPUs.
+    reference_dir = str(tmp_path / "reference")
+    train(
+        TrainConfig(
+            strategy="pipeline",
+            strategy_options=PIPELINE,
+            data_dir=data_dir,
+            model_dir=reference_dir,
+            **QUICK,
+        )
+    )
+    # Two tasks of 2 logical CPUs each: worker 0 trains copy 0 on its CPUs and copy 1 on
+    # worker 1's, which only serves them. The client SIGKILLs itself after step 6; the
+    # server sees it gone and exits; the launcher restarts both; the backup of step 6 resumes
+    # (the fault fires at step 6 exactly, after that backup: the resumed run starts at 7).
+    bin_dir = os.path.dirname(sys.executable)
+    model_dir, backup = str(tmp_path / "out"), str(tmp_path / "backup")
+    command = [
+        os.path.join(bin_dir, "tfscale-launch"), "--num_workers=2", "--max_restarts=1", "--",
+        os.path.join(bin_dir, "tfscale-train"), "--strategy=pipeline", "--num_stages=2",
+        "--num_microbatches=2", "--data_parallel=2", "--schedule=gpipe", "--cpu_replicas=2",
+        "--epochs=2", "--global_batch_size=32", "--steps_per_epoch=5", f"--data_dir={data_dir}",
+        f"--model_dir={model_dir}", f"--backup_dir={backup}", "--backup_freq=3", "--fail_at_step=6",
+    ]  # fmt: skip
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=400, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "job succeeded in attempt 2 of 2" in output, output[-4000:]
+    assert "[worker:0] tfscale: resumed from" in output and "global step 6)" in output, output[-4000:]
+    assert "[worker:1] train: worker:1 served its devices to the client until it finished" in output
+    assert "[worker:1] tfscale-train-result" not in output  # only the client trains and reports
+    for got, want in zip(_weights(model_dir), _weights(reference_dir), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 def test_pipeline_dp2_x_pp2_losses_per_epoch_equal_one_device_with_the_plan_report(

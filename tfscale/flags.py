@@ -374,6 +374,15 @@ def define_performance_flags(fv):
     )
 
 
+def _several_tasks():
+    from tfscale.cluster import ClusterSpec, ClusterSpecError
+
+    try:
+        return ClusterSpec.from_env(allow_unset=True).task_count > 1
+    except ClusterSpecError:
+        return False  # Reported by the --tf_config / TF_CONFIG checks, in their words.
+
+
 def _valid_model_parallel(values):
     """Model-parallel flags fit their strategy, the devices and the batch (one line naming them)."""
     strategy = values["strategy"]
@@ -394,7 +403,9 @@ def _valid_model_parallel(values):
     else:  # model_split: K unknown here without --num_devices (then the devices decide)
         per_copy, count = values["num_devices"], "num_devices"
     cpus = values["cpu_replicas"]
-    if cpus and per_copy and d * per_copy > cpus:
+    # In a cluster of several tasks each serves its --cpu_replicas devices: the strategy checks
+    # D x S against all of them once connected (one line too).
+    if cpus and per_copy and d * per_copy > cpus and not _several_tasks():
         raise flags.ValidationError(
             f"--data_parallel={d} x --{count}={per_copy} needs {d * per_copy} devices, more than "
             f"--cpu_replicas={cpus}. Expected data_parallel x {count} <= {cpus}."
@@ -591,7 +602,16 @@ def strategy_args(fv):
             options[name] = fv[name].value
     if fv["communication"].present:
         options["communication"] = fv.communication
-    if "cluster_timeout" in fv and fv["cluster_timeout"].present and fv.strategy in ("auto", "multi_worker"):
+    if (
+        "cluster_timeout" in fv
+        and fv["cluster_timeout"].present
+        and fv.strategy
+        in (
+            "auto",
+            "multi_worker",
+            *MODEL_PARALLEL,  # across tasks: how long to wait for them (tfscale.strategies.connect_cluster)
+        )
+    ):
         options["cluster_timeout"] = fv.cluster_timeout
     return fv.strategy, options
 

@@ -348,6 +348,27 @@ def _floats(logs):
     return {k: [float(v) for v in vs] if isinstance(vs, list) else float(vs) for k, vs in logs.items()}
 
 
+def _connect(cluster, options):
+    """A pipeline or model split across the tasks of `cluster`: connects, or serves.
+
+    The chief (worker 0 without one) becomes the client that trains on every task's devices
+    (each task's `--cpu_replicas` logical CPUs, else its GPUs); every other task serves its
+    devices until the client has gone. Returns True on the client. `options` loses
+    `cpu_replicas` (each task split its own CPU) and `cluster_timeout` (spent here).
+    """
+    import tfscale.strategies
+
+    cpus = options.pop("cpu_replicas", None)
+    if cpus:
+        tfscale.strategies.split_cpu(cpus)
+    timeout = options.pop("cluster_timeout", None)
+    kwargs = {} if timeout is None else {"cluster_timeout": timeout}
+    client = tfscale.strategies.connect_cluster(cluster, **kwargs)
+    if not client:
+        _log.info("train: %s served its devices to the client until it finished", cluster.task_label)
+    return client
+
+
 def train(config):
     """Trains `config.model` on `config.dataset` under the configured strategy.
 
@@ -355,7 +376,8 @@ def train(config):
         config: a `TrainConfig`.
 
     Returns:
-        A `TrainResult` (history, evaluation, throughput, where the model was saved).
+        A `TrainResult` (history, evaluation, throughput, where the model was saved); None on
+        a task that only served its devices to another task's pipeline or model split.
 
     Raises:
         tfscale.Error: options that cannot be honoured (`TrainError`, `StrategyError`,
@@ -367,7 +389,11 @@ def train(config):
     import tfscale.strategies
 
     cluster = _cluster(config)
-    strategy = tfscale.strategies.get(config.strategy, cluster=cluster, **config.strategy_options)
+    options = dict(config.strategy_options)
+    if config.strategy in tfscale_flags.MODEL_PARALLEL and cluster.task_count > 1:
+        if not _connect(cluster, options):
+            return None  # This task served its devices to the client, which has finished.
+    strategy = tfscale.strategies.get(config.strategy, cluster=cluster, **options)
     name = f"{config.strategy} ({type(strategy).__name__})"
     data_strategy, replicas = _data_parallel(strategy)
     _check_steps_per_execution(config, data_strategy)
@@ -459,6 +485,8 @@ def main(argv, fv):
     """Parses `argv` into `fv` (with tfscale's flags defined), trains, prints the summary."""
     fv(argv)
     result = train(config_from_flags(fv))
+    if result is None:  # A serving task: the client prints the summary and the result.
+        return None
     for line in summary_lines(result):
         print(line)
     print(RESULT_PREFIX + result.to_json(), flush=True)

@@ -77,7 +77,7 @@ def test_strategy_args_pass_only_the_options_given():
             r"--gradient_compression=int8: value should be one of <fp16\|bf16>",
         ),
         (["--bytes_per_pack=-1"], r"--bytes_per_pack expects an integer >= 0"),
-        (["--learning_rate=-1"], r"--learning_rate expects a positive number"),
+        (["--learning_rate=-1"], r"--learning_rate expects a positive, finite number"),
         (["--mixed_precision=fp8"], r"--mixed_precision=fp8: value should be one of"),
         (["--backup_freq=often"], r"--backup_freq='often'\. Expected 'epoch' or a positive number"),
         (["--tf_config={bad json"], r"--tf_config"),

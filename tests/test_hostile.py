@@ -1,0 +1,357 @@
+"""Hostile input for the three binaries: every bad flag value is one line, exit 2, nothing written.
+
+The inputs are generated, not listed: for every flag a binary defines, values are drawn
+from a space picked by the flag's absl parser (wrong types, empty, huge, negative,
+nan/inf, non-ASCII, newlines, undecodable bytes, a very long string) and, for flags that
+name a path, from a set of hostile paths (a file where a folder is expected and back, a
+path under a file, /dev/zero, /dev/full, a folder on a full or read-only tmpfs the test
+mounts). Each case runs the binary's own entry point in this process (`train.parse`,
+`launcher.run`, `cluster_cli.run`, catching `SystemExit`): importing TensorFlow once per
+case in a subprocess would cost 5 s each. A rejected value must give the exit status 2,
+exactly one line on stderr naming the flag, no traceback, nothing new on disk. Values a
+flag must refuse (nan for a timeout, a negative count, ...) are asserted refused. A few
+end-to-end subprocesses check that the binaries behave as their entry points do here.
+"""
+
+import contextlib
+import io
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from absl import flags
+
+from tfscale import cluster_cli, train
+from tfscale import flags as tfscale_flags
+from tfscale.launch import launcher
+
+BIN = os.path.dirname(sys.executable)
+
+# The value space of every flag, whatever its type. "\udcff" is how Python hands over an
+# argv byte that is not UTF-8 (surrogateescape).
+_JUNK = ["", " ", "a\nb", "é", "١٢", "²", "\udcff", "x" * 20000, "--", "1,2", "true"]
+_NUMBERS = ["-1", "0", "1.5", "0x10", "9" * 30, "9" * 5000, "nan", "inf", "-inf", "1e309", "-0"]
+
+
+_NAMES = {"hosts": ("hosts", "workers"), "workers": ("hosts", "workers")}
+
+
+def _flag_kind(flag):
+    if flag.boolean:
+        return "bool"
+    return {
+        "IntegerParser": "int",
+        "FloatParser": "float",
+        "EnumParser": "enum",
+        "ListParser": "list",
+        "CsvListParser": "list",
+    }.get(type(flag.parser).__name__, "string")
+
+
+def _must_refuse(kind, value):
+    """Whether `value` is outside what any flag of `kind` accepts."""
+    if kind == "enum":
+        return True  # no generated value is one of a flag's choices
+    if kind == "bool":
+        return value != "true"
+    if kind == "float":
+        # Every float flag is a rate, a time or a count of epochs: finite and >= 0.
+        return value not in ("0", "-0", "1.5", "0x10", "9" * 30, "١٢")
+    if kind == "int":
+        # Every int flag counts something or is a port or seed: never negative, never a fraction.
+        # (absl reads 0x10 as 16 and Python's int() reads '١٢' as 12, consistently.)
+        return value not in ("0", "-0", "0x10", "9" * 30, "١٢")
+    return False
+
+
+# Flags naming a path, by what they expect there: a folder written, a folder read, a file
+# read, a file written.
+_PATH_FLAGS = {
+    "tfscale-train": {"backup_dir": "write_dir", "model_dir": "write_dir", "data_dir": "read_dir",
+                      "tf_config": "read_file"},
+    "tfscale-launch": {"log_dir": "write_dir", "hostfile": "read_file"},
+    "tfscale-tfconfig": {"hostfile": "read_file", "sbatch": "write_file", "tfjob": "write_file"},
+}  # fmt: skip
+
+
+def _hostile_paths(root, mounts):
+    """{expectation: [path, ...]} of paths each kind of path flag must refuse, under `root`."""
+    a_file = root / "a_file"
+    a_file.write_text("not a folder, not a hostfile, not JSON: \xff\n")
+    a_dir = root / "a_dir"
+    a_dir.mkdir()
+    fifo = root / "a_fifo"
+    os.mkfifo(fifo)
+    not_utf8 = root / "not_utf8"
+    not_utf8.write_bytes(b"\xff\xfe{}\n")
+    common = [str(a_file / "sub"), "x" * 5000]
+    full, read_only, _ = mounts or (None, None, None)
+    on_mounts = [os.path.join(full, "sub"), os.path.join(read_only, "sub")] if mounts else []
+    return {
+        "write_dir": [
+            *common,
+            str(a_file),
+            "/dev/zero",
+            "/dev/full",
+            str(fifo),
+            *on_mounts,
+            *([full, read_only] if mounts else []),
+        ],
+        "read_dir": [*common, str(a_file), "/dev/zero", str(fifo)],
+        # /dev/zero and a FIFO as a file to read: test_endless_inputs_end_at_once, in a subprocess.
+        "read_file": [*common, str(a_dir), str(not_utf8)],
+        # Never /dev/* here: as root a rename there would replace the device node.
+        "write_file": [*common, str(a_dir), str(fifo), *on_mounts],
+    }
+
+
+@pytest.fixture(scope="module")
+def mounts(tmp_path_factory):
+    """Small tmpfs mounts (full, read-only, empty), or None where this process may not mount."""
+    base = tmp_path_factory.mktemp("mounts")
+    targets = [base / "full", base / "ro", base / "empty"]
+    mounted = []
+    try:
+        for target in targets:
+            target.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(target)], check=True,
+                           capture_output=True, timeout=30)  # fmt: skip
+            mounted.append(target)
+        with open(targets[0] / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        subprocess.run(
+            ["mount", "-o", "remount,ro", str(targets[1])], check=True, capture_output=True, timeout=30
+        )
+        yield tuple(str(t) for t in targets)
+    except (OSError, subprocess.SubprocessError):
+        yield None  # not root, or no mount namespace rights: those cases are left out
+    finally:
+        for target in reversed(mounted):
+            subprocess.run(["umount", str(target)], check=False, capture_output=True, timeout=30)
+
+
+def _call(entry, argv):
+    """Runs `entry(argv)` here as the console script would: (exit status, stdout, stderr)."""
+    # Real stdout encodes strictly, stderr with backslashreplace (UTF-8 locale): so here.
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
+    err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="backslashreplace", write_through=True)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = entry(argv)
+        except SystemExit as e:
+            status = e.code
+    return status, out.buffer.getvalue().decode("utf-8", "replace"), err.buffer.getvalue().decode("utf-8")
+
+
+def _train_entry(argv):
+    fv = flags.FlagValues()
+    tfscale_flags.define_all(fv)
+    parsed = train.parse(argv, fv)
+    return parsed if isinstance(parsed, int) else 0
+
+
+# Flags each case sets besides the one under test, so the value is judged in a context
+# where it is used (e.g. --hostfile with --from=hostfile), per binary.
+_TFCONFIG_SBATCH = ["--sbatch=job.sh", "--command=python t.py"]
+_TFCONFIG_TFJOB = ["--tfjob=job.yaml", "--image=img", "--command=python t.py"]
+_TFCONFIG_BASE = {
+    "hostfile": ["--from=hostfile"],
+    "port": ["--from=hosts", "--workers=a,b"],
+    **{n: ["--from=hosts", "--workers=a,b"] for n in ("hosts", "workers", "chief", "ps", "evaluator", "task",
+                                                      "format")},
+    **{n: _TFCONFIG_SBATCH for n in ("sbatch", "nodes", "ntasks_per_node", "partition", "time", "command",
+                                     "job_name")},
+    **{n: _TFCONFIG_TFJOB for n in ("tfjob", "image", "replicas", "namespace")},
+}  # fmt: skip
+_LAUNCH_BASE = {
+    "hosts": ["--remote_cmd=env"],
+    "workers": ["--remote_cmd=env"],
+    "hostfile": ["--remote_cmd=env"],
+    "remote_cmd": ["--hosts=127.0.0.1"],
+}
+
+BINARIES = {
+    # name: (define the flags, in-process entry, base flags per flag under test, command after --)
+    "tfscale-train": (tfscale_flags.define_all, _train_entry, {}, []),
+    "tfscale-launch": (launcher.define_flags, launcher.run, _LAUNCH_BASE, ["--", "true"]),
+    "tfscale-tfconfig": (cluster_cli.define_flags, cluster_cli.run, _TFCONFIG_BASE, []),
+}
+# Flags left out of the generated cases, and why.
+_SKIP = {
+    "tfscale-launch": {
+        "slurm": "needs a Slurm allocation (test_launch covers the refusal)",
+        "host_discovery": "runs its value as a command (test_elastic covers bad commands)",
+    },
+}
+
+
+def _flag_cases():
+    for prog, (define, _, _, _) in BINARIES.items():
+        fv = flags.FlagValues()
+        define(fv)
+        for name, flag in sorted(fv._flags().items()):
+            if name == flag.name and name not in _SKIP.get(prog, {}):  # an alias: under its own name
+                yield pytest.param(prog, name, _flag_kind(flag), id=f"{prog}--{name}")
+
+
+def _snapshot(*roots):
+    return sorted(os.path.join(d, f) for root in roots for d, ds, fs in os.walk(root) for f in ds + fs)
+
+
+def _check_refusal(prog, names, status, out, err):
+    lines = err.splitlines()
+    assert status == 2, (status, out[-500:], err[-2000:])
+    assert "Traceback" not in err + out
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"{prog}: error: "), lines[0][:300]
+    assert any(re.search(rf"\b{n}\b", lines[0]) for n in names), lines[0][:300]
+
+
+def _argv(prog, name, value):
+    _, _, base, command = BINARIES[prog]
+    return [
+        prog,
+        *[a for a in base.get(name, []) if not a.startswith(f"--{name}=")],
+        f"--{name}={value}",
+        *command,
+    ]
+
+
+def _values(kind):
+    return _JUNK + (_NUMBERS if kind not in {"enum", "bool"} else [])
+
+
+# One test a flag, its values in a loop: a pytest case a value would cost more than the value.
+@pytest.mark.parametrize(("prog", "name", "kind"), list(_flag_cases()))
+def test_generated_bad_values(prog, name, kind, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for value in _values(kind):
+        status, out, err = _call(BINARIES[prog][1], _argv(prog, name, value))
+        assert "Traceback" not in err + out, (value, err[-3000:])
+        if status == 2 or _must_refuse(kind, value):
+            _check_refusal(prog, _NAMES.get(name, (name,)), status, out, err)
+            assert _snapshot(tmp_path) == [], value
+        else:
+            assert status in (0, 1), (value, status, err[-2000:])
+        for entry in os.listdir(tmp_path):  # an accepted value may write (a job file): start clean
+            path = tmp_path / entry
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _path_cases():
+    for prog, path_flags in _PATH_FLAGS.items():
+        for name, expects in sorted(path_flags.items()):
+            yield pytest.param(prog, name, expects, id=f"{prog}--{name}")
+
+
+@pytest.mark.parametrize(("prog", "name", "expects"), list(_path_cases()))
+def test_generated_bad_paths(prog, name, expects, tmp_path, mounts, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    paths = _hostile_paths(tmp_path, mounts)[expects]
+    roots = [tmp_path, *(mounts[:2] if mounts else ())]
+    for path in paths:
+        before = _snapshot(*roots)
+        status, out, err = _call(BINARIES[prog][1], _argv(prog, name, path))
+        _check_refusal(prog, _NAMES.get(name, (name,)), status, out, err)
+        assert _snapshot(*roots) == before, path
+
+
+def _flagfiles(root):
+    """{what: flagfile path} of flagfiles every binary must refuse in one line, without hanging."""
+    files = {
+        "not UTF-8": b"--epochs=1\n# \xff\xfe\n",
+        "a junk line": b"--epochs=1\njunk line\n",
+        "too big": b"# " + b"x" * (2 << 20) + b"\n",
+        "includes itself": b"--flagfile=" + str(root / "includes itself").encode() + b"\n",
+    }
+    paths = {}
+    for what, data in files.items():
+        (root / what).write_bytes(data)
+        paths[what] = str(root / what)
+    return {**paths, "a folder": str(root), "missing": str(root / "missing")}
+
+
+@pytest.mark.parametrize("prog", list(BINARIES))
+def test_bad_flagfiles_are_one_line_and_bounded(prog, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, entry, _, command = BINARIES[prog]
+    for what, path in _flagfiles(tmp_path).items():
+        before = _snapshot(tmp_path)
+        start = time.monotonic()
+        status, out, err = _call(entry, [prog, f"--flagfile={path}", *command])
+        assert time.monotonic() - start < 5, what  # /dev/zero read whole would never end
+        _check_refusal(prog, ("flagfile",), status, out, err)
+        assert _snapshot(tmp_path) == before, what
+
+
+# Files whose whole read never ends (or whose open blocks): were such a read back, an
+# in-process case would eat this process's memory, so each runs as the real binary,
+# bounded in memory and time.
+_ENDLESS = {
+    "tfscale-train": [("--flagfile={}",), ("--tf_config={}",)],
+    "tfscale-launch": [("--flagfile={}", "--", "true"), ("--hostfile={}", "--", "true")],
+    "tfscale-tfconfig": [("--flagfile={}",), ("--from=hostfile", "--hostfile={}")],
+}
+
+
+def _limit_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+@pytest.mark.parametrize("prog", list(_ENDLESS))
+def test_endless_inputs_end_at_once(prog, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    nested = tmp_path / "nested.cfg"
+    nested.write_text("--flagfile=/dev/zero\n")
+    for args in _ENDLESS[prog]:
+        for path in ("/dev/zero", str(fifo), *([str(nested)] if "flagfile" in args[0] else [])):
+            argv = [os.path.join(BIN, prog), *(a.format(path) for a in args)]
+            proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=20,
+                                  preexec_fn=_limit_memory, check=False)  # fmt: skip
+            name = next(a for a in args if "{}" in a).split("=")[0].lstrip("-")
+            _check_refusal(prog, (name,), proc.returncode, proc.stdout, proc.stderr)
+            assert sorted(os.listdir(tmp_path)) == ["fifo", "nested.cfg"]
+
+
+def test_stray_arguments_are_refused_not_ignored():
+    status, _, err = _call(_train_entry, ["tfscale-train", "--epochs=1", "epochs=2"])
+    assert (
+        status == 2
+        and err == "tfscale-train: error: Unexpected argument 'epochs=2'. Expected only --flags.\n"
+    )
+
+
+def test_num_workers_beyond_the_task_limit_is_refused_before_anything_starts(tmp_path):
+    status, out, err = _call(launcher.run, ["tfscale-launch", f"--num_workers={10**9}", "--", "true"])
+    _check_refusal("tfscale-launch", ("num_workers",), status, out, err)
+
+
+def test_log_dir_that_cannot_hold_a_log_is_one_line_before_any_task_starts(tmp_path):
+    (tmp_path / "logs" / "worker-0.log").mkdir(parents=True)  # a folder named like the log
+    ran = tmp_path / "ran"
+    argv = ["tfscale-launch", f"--log_dir={tmp_path / 'logs'}", "--", "touch", str(ran)]
+    status, out, err = _call(launcher.run, argv)
+    _check_refusal("tfscale-launch", ("log_dir",), status, out, err)
+    assert "worker-0.log" in err and not ran.exists()
+
+
+def test_log_dir_filling_up_mid_run_drops_the_log_but_never_blocks_the_task(mounts):
+    if mounts is None:
+        pytest.skip("needs a tmpfs mount (root)")
+    # 2 MB of output into a 64 KiB file system: once it is full, the task must still run
+    # to its end (a reader that stopped reading would leave it blocked on a full pipe).
+    code = "import sys\nfor _ in range(2000): print('x' * 1000)\nprint('done', file=sys.stderr)"
+    argv = ["tfscale-launch", f"--log_dir={mounts[2]}", "--task_timeout=60", "--", sys.executable, "-c", code]
+    status, out, err = _call(launcher.run, argv)
+    assert status == 0, err
+    assert "No space left on device" in out and "output is dropped" in out
+    assert "Traceback" not in out + err

@@ -355,3 +355,59 @@ def test_log_dir_filling_up_mid_run_drops_the_log_but_never_blocks_the_task(moun
     assert status == 0, err
     assert "No space left on device" in out and "output is dropped" in out
     assert "Traceback" not in out + err
+
+
+# `tfscale.strategies.get`: every option of the strategies that build in this process
+# without a cluster or a TPU, each given values of the wrong type or naming devices this
+# machine does not have. The answer is a strategy or one StrategyError line naming it.
+_STRATEGY_VALUES = ["2", 2.5, True, -1, 0, float("nan"), [], "CPU:0", "/cpu:99", "/gpu:7", ["/cpu:99"],
+                    ["/gpu:7"], [1, 2], {"a": 1}, object(), "x" * 10000]  # fmt: skip
+
+
+def _strategy_options():
+    import inspect
+
+    from tfscale.strategies import ModelSplitStrategy, PipelineStrategy
+    from tfscale.strategies._builtin import _BUILDERS, _accepted
+
+    for name in ("one_device", "mirrored"):
+        yield from ((name, option) for option in _accepted(_BUILDERS[name]))
+    for name, cls in (("pipeline", PipelineStrategy), ("model_split", ModelSplitStrategy)):
+        params = inspect.signature(cls).parameters.values()
+        yield from ((name, p.name) for p in params if p.kind is p.KEYWORD_ONLY)
+
+
+@pytest.mark.parametrize(("name", "option"), list(_strategy_options()))
+def test_strategy_options_of_the_wrong_type_are_one_strategy_error(name, option):
+    import tfscale
+
+    for value in _STRATEGY_VALUES:
+        try:
+            # A model split needs its size; the option under test replaces it where it gives it.
+            sized = name != "model_split" or option in ("devices", "num_devices")
+            base = {} if sized else {"num_devices": 2}
+            tfscale.strategies.get(name, **base, **{option: value})
+        except tfscale.strategies.StrategyError as e:
+            message = str(e)
+            assert "\n" not in message and option in message, (value, message)
+        except Exception as e:
+            pytest.fail(f"{name}({option}={value!r}): {type(e).__name__}: {str(e)[:300]}")
+        else:
+            missing = ("/cpu:99", "/gpu:7", ["/cpu:99"], ["/gpu:7"])  # no such device here
+            assert not (option in ("devices", "device") and value in missing), value
+
+
+@pytest.mark.parametrize("name", [3, None, ["mirrored"], "", "mirrored\n"])
+def test_strategy_names_of_the_wrong_type_are_one_strategy_error(name):
+    import tfscale
+
+    with pytest.raises(tfscale.strategies.StrategyError, match=r"^Unknown strategy name\. Received: name="):
+        tfscale.strategies.get(name)
+
+
+def test_tpu_option_of_the_wrong_type_is_one_strategy_error():
+    import tfscale
+
+    match = r"^Invalid value for argument `tpu`\. Received: tpu=5"
+    with pytest.raises(tfscale.strategies.StrategyError, match=match):
+        tfscale.strategies.get("tpu", tpu=5)

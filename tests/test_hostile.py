@@ -411,3 +411,135 @@ def test_tpu_option_of_the_wrong_type_is_one_strategy_error():
     match = r"^Invalid value for argument `tpu`\. Received: tpu=5"
     with pytest.raises(tfscale.strategies.StrategyError, match=match):
         tfscale.strategies.get("tpu", tpu=5)
+
+
+_FACTORIES = """
+import keras
+
+
+def raises(input_shape, num_classes):
+    raise RuntimeError("the user's bug\\nsecond line")
+
+
+def not_a_model(input_shape, num_classes):
+    return [1, 2]
+
+
+def no_arguments():
+    return None
+
+
+not_callable = 3
+"""
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    """The name of an importable module of bad model factories (and one that fails to import)."""
+    module = f"hostile_factories_{os.getpid()}"
+    (tmp_path / f"{module}.py").write_text(_FACTORIES)
+    (tmp_path / f"{module}_broken.py").write_text("raise SystemError('broken at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return module
+
+
+@pytest.mark.parametrize(
+    ("attr", "match"),
+    [
+        ("raises", r"Model factory raised RuntimeError: the user's bug\. Received: model="),
+        ("not_a_model", r"Model factory returned list\. Received: model="),
+        ("no_arguments", r"Model factory raised TypeError: .*Received: model="),
+        ("not_callable", r"Model factory is not callable\. Received: model="),
+        ("missing", r"Cannot load model factory\. Received: model=.* \(AttributeError: "),
+    ],
+)
+def test_bad_model_factories_are_one_model_error(factories, attr, match):
+    from tfscale import models
+
+    with pytest.raises(models.ModelError, match=match) as raised:
+        models.build(f"{factories}:{attr}", (4,), 2)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("module", "match"),
+    [
+        ("no_such_module_anywhere", r"\(ModuleNotFoundError: No module named 'no_such_module_anywhere'\)"),
+        ("{}_broken", r"\(SystemError: broken at import\)"),
+        ("..relative", r"\(TypeError: "),
+    ],
+)
+def test_model_factory_modules_that_do_not_import_are_one_model_error(factories, module, match):
+    from tfscale import models
+
+    with pytest.raises(models.ModelError, match=r"^Cannot load model factory\. Received: model=.*" + match):
+        models.build(f"{module.format(factories)}:f", (4,), 2)
+
+
+def test_job_files_are_written_all_or_nothing(tmp_path, mounts, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.sh").write_text("old\n")
+    targets = [str(tmp_path / "a_dir"), str(tmp_path / "no" / "folder.yaml")]
+    (tmp_path / "a_dir").mkdir()
+    if mounts:
+        targets.append(os.path.join(mounts[0], "job.yaml"))  # no space for the second file
+    for tfjob in targets:
+        for sbatch in ("new.sh", "old.sh"):
+            argv = ["tfscale-tfconfig", f"--sbatch={sbatch}", f"--tfjob={tfjob}", "--image=i", "--command=x"]
+            status, out, err = _call(cluster_cli.run, argv)
+            _check_refusal("tfscale-tfconfig", ("tfjob",), status, out, err)
+            assert sorted(os.listdir(tmp_path)) == ["a_dir", "old.sh"], tfjob
+            assert (tmp_path / "old.sh").read_text() == "old\n"
+
+
+def test_job_files_whose_second_rename_fails_keep_the_first_as_it_was(tmp_path, monkeypatch):
+    # The rename is the one step after every check: make the second one fail for real by
+    # turning its target into a folder between the staging and the renames.
+    from tfscale.launch import _jobfiles
+
+    (tmp_path / "job.sh").write_text("old\n")
+    stage = _jobfiles._stage
+
+    def stage_then_block(path, text, mode, staged):
+        stage(path, text, mode, staged)
+        if path.endswith(".yaml"):
+            os.mkdir(path)
+            (tmp_path / "job.yaml" / "keep").write_text("")
+
+    monkeypatch.setattr(_jobfiles, "_stage", stage_then_block)
+    files = [(str(tmp_path / "job.sh"), "new\n", 0o755), (str(tmp_path / "job.yaml"), "y\n", 0o644)]
+    with pytest.raises(OSError, match=r"job\.yaml"):
+        _jobfiles.write_all_atomic(files)
+    assert (tmp_path / "job.sh").read_text() == "old\n"
+    assert sorted(os.listdir(tmp_path)) == ["job.sh", "job.yaml"]
+
+
+# End to end, as a user runs them: the binaries do what their entry points do above.
+def test_binaries_refuse_bad_input_in_one_line_before_they_start(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine\n")
+    cases = [
+        ("tfscale-train", f"--model_dir={a_file}", "model_dir"),
+        ("tfscale-train", "--lr_warmup_epochs=inf", "lr_warmup_epochs"),
+        ("tfscale-launch", f"--log_dir={a_file}", "log_dir"),
+        ("tfscale-launch", "--task_timeout=nan", "task_timeout"),
+        ("tfscale-tfconfig", "--port=\u0661x", "port"),
+    ]
+    for prog, flag, name in cases:
+        command = ["--", "touch", str(tmp_path / "ran")] if prog == "tfscale-launch" else []
+        proc = subprocess.run([os.path.join(BIN, prog), flag, *command], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=60, check=False)  # fmt: skip
+        _check_refusal(prog, (name,), proc.returncode, proc.stdout, proc.stderr)
+        assert sorted(os.listdir(tmp_path)) == ["a_file"] and a_file.read_text() == "mine\n"
+
+
+def test_a_model_factory_that_raises_ends_tfscale_train_with_one_line(factories, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2")
+    argv = [os.path.join(BIN, "tfscale-train"), f"--model={factories}:raises", "--epochs=1",
+            "--steps_per_epoch=1", f"--model_dir={tmp_path / 'out'}"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("tfscale-train: error: Model factory raised RuntimeError: the user's bug. ")
+    assert not (tmp_path / "out").exists()

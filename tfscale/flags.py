@@ -320,7 +320,20 @@ def _valid_dataset(value):
     )
 
 
+def _utf8(text):
+    try:
+        text.encode("utf-8")  # an argv byte that is not UTF-8 arrives as a lone surrogate
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _valid_data_dir(value):
+    if value is not None and not _utf8(value):
+        raise flags.ValidationError(
+            f"--data_dir={value!r} holds bytes that are not UTF-8. Expected a UTF-8 path (TensorFlow's "
+            "file functions take no other)."
+        )
     if value is None or os.path.isdir(value):
         return True
     raise flags.ValidationError(f"--data_dir={value!r} does not exist. Expected an existing folder.")
@@ -441,8 +454,9 @@ def _valid_backup_freq(value):
 
 def _output_dir_problem(path):
     """Why tfscale could not create and write the folder `path`, or None."""
-    if not path.strip():
-        return "is empty"
+    if not path.strip() or not _utf8(path):
+        # TensorFlow's file functions take UTF-8 paths only (a lone surrogate: an undecodable byte).
+        return "is empty" if not path.strip() else "holds bytes that are not UTF-8"
     probe = os.path.abspath(path)
     try:
         try:

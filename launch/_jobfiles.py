@@ -7,6 +7,7 @@ scalars, which every YAML parser reads) and written atomically: a temporary file
 the destination folder, then a rename, so a failure leaves no half-written job file.
 """
 
+import errno
 import json
 import os
 import re
@@ -16,7 +17,14 @@ import tempfile
 from tfscale._cluster_errors import ClusterSpecError, describe
 from tfscale._hosts import MAX_TASKS, check_port
 
-__all__ = ["parse_command", "parse_replicas", "sbatch_script", "tfjob_manifest", "write_atomic"]
+__all__ = [
+    "parse_command",
+    "parse_replicas",
+    "sbatch_script",
+    "tfjob_manifest",
+    "write_all_atomic",
+    "write_atomic",
+]
 
 _REPLICA_NAMES = {"chief": "Chief", "worker": "Worker", "ps": "PS", "evaluator": "Evaluator"}
 _SLURM_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -169,6 +177,70 @@ def tfjob_manifest(*, image, command, replicas, port, job_name="tfscale", namesp
             f"                  containerPort: {port}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def write_all_atomic(files):
+    """Writes every `(path, text, mode)` of `files`, or none of them.
+
+    Each text goes to a temporary file in its destination folder first; only when all are
+    written are they renamed into place. Should a rename fail, the files already renamed
+    get their old content back (or are removed when there was none).
+
+    Raises:
+        OSError: a file cannot be written (its `filename` says which); nothing changed.
+    """
+    staged = []  # (path, temporary file, backup of the old file or None)
+    try:
+        for path, text, mode in files:
+            if os.path.lexists(path) and not os.path.isfile(path):
+                # Never rename over a folder or a device node (root could): only a regular file.
+                raise OSError(errno.EEXIST, "exists and is not a regular file", path)
+            try:
+                _stage(path, text, mode, staged)
+            except OSError as e:
+                e.filename = path  # ENOSPC from a write names no file
+                raise
+        _rename_all(staged)
+    finally:
+        for _, tmp, _ in staged:
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+
+
+def _stage(path, text, mode, staged):
+    fd, tmp = tempfile.mkstemp(prefix=".tfscale-", dir=os.path.dirname(os.path.abspath(path)))
+    staged.append((path, tmp, None))
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.chmod(tmp, mode)
+
+
+def _rename_all(staged):
+    done = []  # (path, backup of its old content or None) of the renames that worked
+    try:
+        for path, tmp, _ in staged:
+            backup = None
+            if os.path.isfile(path):  # kept, under a hard link, until every rename worked
+                backup = tmp + ".old"
+                os.link(path, backup)
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                if backup is not None:
+                    os.remove(backup)  # the failed rename left its target as it was
+                e.filename = path
+                raise
+            done.append((path, backup))
+    except BaseException:
+        for path, backup in reversed(done):
+            if backup is not None:
+                os.replace(backup, path)
+            else:
+                os.remove(path)
+        raise
+    for _, backup in done:
+        if backup is not None:
+            os.remove(backup)
 
 
 def write_atomic(path, text, mode=0o644):

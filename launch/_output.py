@@ -11,6 +11,7 @@ at most one progress line per `PROGRESS_INTERVAL` seconds is passed on (always t
 last state before a newline), as torchrun/Horovod users see in their logs.
 """
 
+import contextlib
 import os
 import re
 import threading
@@ -39,12 +40,50 @@ class OutputPump:
         self._lock = threading.Lock()
         self._threads = []
         self._last_line = {}
+        self._logs = {}  # task name -> its open log file, from `open_logs`
 
     def log_path(self, name):
         """Where the lines of task `name` go with `log_dir`, else None."""
         if self._log_dir is None:
             return None
         return os.path.join(self._log_dir, name.replace(":", "-") + ".log")
+
+    def open_logs(self, names, header=None):
+        """With `log_dir`: opens (appends to) the log of each task in `names` and writes `header`.
+
+        Raises:
+            OSError: a log cannot be opened or written (its `filename` says which); the
+                logs opened are closed again, and those it created removed.
+        """
+        if self._log_dir is None:
+            return
+        created = []  # removed again on failure: nothing half-written
+        try:
+            for name in names:
+                path = self.log_path(name)
+                if not os.path.lexists(path):
+                    created.append(path)
+                try:
+                    self._logs[name] = open(path, "ab")  # closed by the reader thread or close_logs
+                    if header:
+                        self._logs[name].write(header.encode() + b"\n")
+                    self._logs[name].flush()  # a full file system fails here, before the task starts
+                except OSError as e:
+                    e.filename = e.filename or path
+                    raise
+        except OSError:
+            self.close_logs()
+            for path in created:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+            raise
+
+    def close_logs(self):
+        """Closes the logs `open_logs` opened that no reader thread took over."""
+        for log in self._logs.values():
+            with contextlib.suppress(OSError):
+                log.close()
+        self._logs = {}
 
     def follow(self, name, pipe, header=None):
         """Starts copying `pipe` (a binary pipe, closed at EOF) for task `name`."""
@@ -65,27 +104,36 @@ class OutputPump:
         self._threads = [t for t in self._threads if t.is_alive()]
 
     def _copy(self, name, pipe, header):
-        log = None
-        if self._log_dir is not None:
-            log = open(self.log_path(name), "ab")  # closed below: lives with the thread
-            if header:
-                log.write(header.encode() + b"\n")
-                log.flush()
+        log = self._logs.pop(name, None)
+        if log is None and self._log_dir is not None:
+            self.open_logs([name], header)
+            log = self._logs.pop(name)
         prefix = f"[{name}] ".encode()
+        lost = []
 
         def emit(line):
-            if log is not None:
-                log.write(line + b"\n")
-                log.flush()
-            else:
+            if log is None:
                 self._write(prefix + line + b"\n")
+            elif not lost:
+                try:
+                    log.write(line + b"\n")
+                    log.flush()
+                except OSError as e:
+                    # The file system filled up (or went away) mid-run: say so once and keep
+                    # reading the pipe, so the task never blocks on a full pipe.
+                    lost.append(e)
+                    self._write(
+                        f"tfscale-launch: cannot write {log.name!r} ({e.strerror or e}); the rest of "
+                        f"{name}'s output is dropped\n".encode()
+                    )
 
         try:
             self._copy_lines(name, pipe, emit)
         finally:
             pipe.close()
             if log is not None:
-                log.close()
+                with contextlib.suppress(OSError):
+                    log.close()
 
     def _copy_lines(self, name, pipe, emit):
         progress = _Progress(emit, self._progress_interval)

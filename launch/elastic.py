@@ -106,6 +106,11 @@ def define_flags(fv):
         lower_bound=0,
         flag_values=fv,
     )
+    for name in ("elastic_timeout", "discovery_interval", "host_cooldown"):
+        # lower_bound lets nan and inf through (nan fails no comparison).
+        flags.register_validator(
+            name, lambda v: v < float("inf"), f"--{name} expects a finite number of seconds.", flag_values=fv
+        )
 
 
 def requested(fv):

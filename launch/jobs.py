@@ -11,6 +11,7 @@ is stopped when training is done.
 """
 
 import os
+import resource
 import shutil
 import sys
 
@@ -80,6 +81,20 @@ def _check_count(name, value, minimum):
         )
 
 
+def _check_open_files(count):
+    """Refuses a local job of more tasks than this process can hold open files for."""
+    # Each running task holds its output pipe and, with --log_dir, its log open here: past
+    # the open-file limit the job would fail only after hundreds of processes had started.
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    most = (soft - 64) // 2
+    if soft != resource.RLIM_INFINITY and count > most:
+        raise LaunchError(
+            f"Invalid value for `--num_workers`: a local job of {count} tasks needs about {2 * count} open "
+            f"files, and this process may open {soft} (ulimit -n). Expected at most {most} tasks on one "
+            "host, or --hosts to spread them."
+        )
+
+
 def _role(task_type, has_ps):
     if task_type == "evaluator":
         return "sidecar"
@@ -142,6 +157,7 @@ class LocalJob:
         _check_local("evaluator", evaluator)
         _check_topology(chief, num_ps)
         self._counts = (bool(chief), num_workers, num_ps, bool(evaluator))
+        _check_open_files(sum(self._counts))
         self._keras_compat = keras_compat
         self._environ = dict(os.environ if environ is None else environ)
         _check_program(self.command[0], self._environ)

@@ -70,7 +70,24 @@ def define_flags(fv):
         "(via a sitecustomize on PYTHONPATH), for programs that do not import tfscale.",
         flag_values=fv,
     )
+    flags.register_validator("log_dir", _valid_log_dir, flag_values=fv)
+    # absl's lower_bound lets nan and inf through (nan fails no comparison): a nan
+    # --task_timeout would silently switch the timeout off.
+    for name in ("restart_backoff", "grace_period", "task_timeout", "finish_timeout", "heartbeat_timeout"):
+        flags.register_validator(
+            name, _finite_or_none, f"--{name} expects a finite number of seconds >= 0.", flag_values=fv
+        )
     elastic.define_flags(fv)
+
+
+def _finite_or_none(value):
+    return value is None or 0 <= value < float("inf")
+
+
+def _valid_log_dir(value):
+    if value is None or value.strip():
+        return True
+    raise flags.ValidationError(f"--log_dir={value!r} is empty. Expected a folder for the task logs.")
 
 
 def _positive_or_none(value):
@@ -136,11 +153,11 @@ def parse(argv, fv):
         print(__doc__.split("\n\n")[0] + "\n\n" + fv.get_help())
         return 0
     try:
+        tfscale_flags.check_flagfiles(argv)
         parsed = fv(argv)
     except flags.Error as e:
         hint = "" if "--" in argv else " (put `--` between the flags and the command)"
-        print(f"tfscale-launch: error: {e}{hint}", file=sys.stderr)
-        return 2
+        return errors.report("tfscale-launch", f"{e}{hint}")
     if "--" not in argv and parsed[1:]:
         # Without it, a command's own flags would be read as ours (or refused as unknown).
         print(

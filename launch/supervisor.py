@@ -26,7 +26,9 @@ stopped. Example:
     result.exit_code   # 0
 """
 
+import contextlib
 import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -164,14 +166,33 @@ class Supervisor:
 
     def run(self):
         """Runs the job; returns a `LaunchResult`. SIGINT, SIGTERM, SIGHUP are forwarded to the tasks."""
-        if self._log_dir is not None:
-            os.makedirs(self._log_dir, exist_ok=True)
+        created = self._make_log_dir()
         previous = self._install_signal_handlers()
         try:
             return self._run_attempts()
+        except LaunchError:
+            for folder in created:  # a log that could not be written: leave nothing behind
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)  # only while empty
+            raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _make_log_dir(self):
+        """Creates `log_dir`; returns the folders it created, deepest first."""
+        if self._log_dir is None:
+            return []
+        created = []
+        folder = os.path.abspath(self._log_dir)
+        try:
+            while not os.path.isdir(folder) and folder not in created:
+                created.append(folder)
+                folder = os.path.dirname(folder)
+            os.makedirs(self._log_dir, exist_ok=True)
+        except OSError as e:
+            raise _log_dir_error(self._log_dir, self._log_dir, e) from None
+        return created
 
     def _run_attempts(self):
         failures = []
@@ -207,6 +228,12 @@ class Supervisor:
         pump = OutputPump(self._sink, self._log_dir)
         procs = {}
         header = f"--- tfscale-launch: attempt {attempt} of {total} ({time.strftime('%Y-%m-%d %H:%M:%S')})"
+        try:
+            # Every log is opened and its header written before any task starts: a log that
+            # cannot be written is one line now, not a dead reader thread and a blocked task later.
+            pump.open_logs([t.name for t in tasks], header)
+        except OSError as e:
+            raise _log_dir_error(self._log_dir, e.filename, e) from None
         self._say(
             f"attempt {attempt} of {total}: starting {len(tasks)} task{'s' if len(tasks) > 1 else ''}: "
             f"{' '.join(t.name for t in tasks)}"
@@ -215,7 +242,7 @@ class Supervisor:
         try:
             for task in tasks:
                 procs[task.name] = self._start(task)
-                pump.follow(task.name, procs[task.name].stdout, header)
+                pump.follow(task.name, procs[task.name].stdout)
             failure = self._watch(attempt, tasks, procs, pump)
         finally:
             running = list(procs.values())
@@ -306,9 +333,18 @@ def launch(make_tasks, **options):
     return Supervisor(make_tasks, **options).run()
 
 
+def _log_dir_error(log_dir, path, error):
+    return LaunchError(
+        f"Cannot write the task logs of `--log_dir`={log_dir!r}: {path!r}: {error.strerror or error}. "
+        "Expected a writable folder with free space."
+    )
+
+
 def _check_number(name, value, integer=False, positive=False):
     kind = int if integer else (int, float)
-    bad = isinstance(value, bool) or not isinstance(value, kind) or value < 0 or (positive and value == 0)
+    bad = isinstance(value, bool) or not isinstance(value, kind)
+    # nan passes every comparison test below (all are false): a nan timeout would mean none.
+    bad = bad or not math.isfinite(value) or value < 0 or (positive and value == 0)
     if bad:
         expected = "a positive number" if positive else ("an integer >= 0" if integer else "a number >= 0")
         raise LaunchError(

@@ -14,7 +14,13 @@ from tfscale._auto import tpu_named as _tpu_named
 from tfscale.cluster import ClusterSpec
 from tfscale.compat import collective_keys, keras_multi_worker, keras_optimizer
 from tfscale.strategies import _communication
-from tfscale.strategies._devices import cpu_device_names, parse_device, split_cpu
+from tfscale.strategies._devices import (
+    cpu_device_names,
+    device_type,
+    local_device_names,
+    parse_device,
+    split_cpu,
+)
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._options import positive_int, reject_unknown
 from tfscale.strategies._peers import DEFAULT_CLUSTER_TIMEOUT, build_within, check_cluster_timeout
@@ -38,7 +44,7 @@ _TPU_PROBE_SECONDS = 5.0
 
 
 def _choice(argument, value, choices):
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:  # a list is unhashable: a TypeError
         raise StrategyError(
             f"Invalid value for argument `{argument}`. Received: {argument}={value!r}. "
             f"Expected one of {sorted(choices)}."
@@ -54,10 +60,29 @@ def _default():
     return tf.distribute.get_strategy()
 
 
+def _local_devices(devices, argument):
+    """Canonical names of `devices`, each a device of this machine, or `StrategyError` naming it."""
+    if isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices:
+        raise StrategyError(
+            f"Invalid value for argument `{argument}`. Received: {argument}={devices!r}. Expected a "
+            "non-empty list of device names."
+        )
+    names = [parse_device(d, argument) for d in devices]
+    for name, given in zip(names, devices):
+        known = local_device_names(device_type(name))
+        if name not in known:  # TensorFlow would place the work on CPU:0 without a word
+            raise StrategyError(
+                f"Invalid value for argument `{argument}`. Received: {given!r}, which does not exist "
+                f"here. Expected names from {known or cpu_device_names(1)}."
+            )
+    return names
+
+
 def _one_device(*, device=None):
     if device is None:
         device = "/gpu:0" if _num_gpus() else "/cpu:0"
-    return tf.distribute.OneDeviceStrategy(parse_device(device))
+    (name,) = _local_devices([device], "device")
+    return tf.distribute.OneDeviceStrategy(name)
 
 
 def _mirrored(
@@ -96,6 +121,8 @@ def _mirrored(
         devices = [f"/gpu:{i}" for i in range(num_gpus)]
     if cpu_replicas is not None:
         devices = split_cpu(cpu_replicas)
+    elif devices is not None and num_gpus is None:
+        devices = _local_devices(devices, "devices")
     ops = None
     if cross_device_ops is not None:
         _choice("cross_device_ops", cross_device_ops, _CROSS_DEVICE_OPS)
@@ -176,6 +203,11 @@ def _probe(address):
 
 
 def _tpu(*, tpu=None):
+    if tpu is not None and not isinstance(tpu, str):
+        raise StrategyError(
+            f"Invalid value for argument `tpu`. Received: tpu={tpu!r}. Expected a TPU name or a "
+            "grpc:// address."
+        )
     if tpu is not None:
         _probe(tpu)
     try:
@@ -333,7 +365,7 @@ def get(name="auto", *, cluster=None, **options):
     >>> strategy.num_replicas_in_sync
     2
     """
-    if name not in _BUILDERS:
+    if not isinstance(name, str) or name not in _BUILDERS:
         raise StrategyError(f"Unknown strategy name. Received: name={name!r}. Expected one of {list(NAMES)}.")
     builder = _BUILDERS[name]
     _check_options(name, _accepted(builder), options)

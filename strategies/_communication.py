@@ -8,6 +8,7 @@ none). Hand-built strategies get the same with `configure(strategy, ...)`.
 """
 
 import dataclasses
+import math
 
 import tensorflow as tf
 
@@ -54,14 +55,14 @@ class Communication:
     implementation: str = "auto"
 
     def __post_init__(self):
-        if self.gradient_compression not in COMPRESSIONS:
+        compression = self.gradient_compression
+        if not (compression is None or isinstance(compression, str)) or compression not in COMPRESSIONS:
             raise StrategyError(
                 "Invalid value for argument `gradient_compression`. Received: "
                 f"gradient_compression={self.gradient_compression!r}. Expected one of None, 'fp16', 'bf16'."
             )
-        if not (_is_number(self.bytes_per_pack) and int(self.bytes_per_pack) == self.bytes_per_pack) or (
-            self.bytes_per_pack < 0
-        ):
+        pack = self.bytes_per_pack  # nan and inf: int() would raise ValueError / OverflowError
+        if not (_is_number(pack) and math.isfinite(pack) and int(pack) == pack) or (self.bytes_per_pack < 0):
             raise StrategyError(
                 "Invalid value for argument `bytes_per_pack`. Received: "
                 f"bytes_per_pack={self.bytes_per_pack!r}. Expected an integer >= 0 (0: one pack)."

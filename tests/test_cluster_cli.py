@@ -120,7 +120,7 @@ def test_sources_with_a_task_print_only_that_task():
         (("--sbatch=j.sh",), {}, "Missing `--command`"),
         (("--sbatch=j.sh", "--command=x", "--image=i"), {}, "`--image` is not used without --tfjob"),
         (("--sbatch=j.sh", "--command=x", "--from=slurm"), {}, "`--from` is not used when writing job files"),
-        (("--sbatch=no/such/dir/j.sh", "--command=x"), {}, "Cannot write 'no/such/dir/j.sh'"),
+        (("--sbatch=no/such/dir/j.sh", "--command=x"), {}, "Cannot write `--sbatch`='no/such/dir/j.sh'"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, env, match):

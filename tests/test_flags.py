@@ -82,7 +82,7 @@ def test_strategy_args_pass_only_the_options_given():
         (["--profile_steps=-1:3"], r"--profile_steps='-1:3'\. Expected A:B"),
         (["--profile_steps=0:3"], r"--profile_steps='0:3'\. Expected A:B"),
         (["--profile_steps=3"], r"--profile_steps='3'\. Expected A:B"),
-        (["--learning_rate=-1"], r"--learning_rate expects a positive number"),
+        (["--learning_rate=-1"], r"--learning_rate expects a positive, finite number"),
         (["--mixed_precision=fp8"], r"--mixed_precision=fp8: value should be one of"),
         (["--backup_freq=often"], r"--backup_freq='often'\. Expected 'epoch' or a positive number"),
         (["--tf_config={bad json"], r"--tf_config"),

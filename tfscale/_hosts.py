@@ -8,7 +8,9 @@ port, skipping ports given explicitly for that host, so `host:4` is four tasks o
 four consecutive ports.
 """
 
+import os
 import re
+import stat
 
 from tfscale._cluster_errors import ClusterSpecError, describe
 
@@ -18,10 +20,34 @@ __all__ = [
     "cluster_from_hostfile",
     "cluster_from_hosts",
     "parse_address",
+    "read_text_file",
 ]
 
 MAX_TASKS = 100_000  # far above any real cluster; keeps a typo such as slots=10000000 from hanging
+# A hostfile or TF_CONFIG of MAX_TASKS tasks is a few MB: a bigger file is the wrong file.
+MAX_FILE_BYTES = 64 << 20
 _MIN_PORT_SUFFIX = 1024
+
+
+def read_text_file(path):
+    """The UTF-8 text of the regular file `path`, read at most `MAX_FILE_BYTES`.
+
+    A device (/dev/zero: a whole read never ends), a pipe (open blocks) or a folder is
+    refused before it is opened.
+
+    Raises:
+        OSError: it cannot be read (`strerror` says why).
+        ValueError: it is not a regular file, is too big, or is not UTF-8 (the message says).
+    """
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError("not a regular file (a folder, a device or a pipe)")
+    with open(path, "rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+    return data.decode("utf-8")
+
+
 _HOST = r"(?:[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\])"
 _ADDRESS_RE = re.compile(rf"({_HOST}):([0-9]{{1,5}})")
 _ENTRY_RE = re.compile(rf"({_HOST})(?::([0-9]{{1,6}}))?")

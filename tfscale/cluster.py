@@ -303,9 +303,8 @@ class ClusterSpec:
         A host with N slots becomes N worker tasks on consecutive ports from `port`.
         """
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError, TypeError, ValueError) as e:
+            text = _hosts.read_text_file(path)
+        except (OSError, TypeError, ValueError) as e:  # UnicodeDecodeError is a ValueError
             reason = getattr(e, "strerror", None) or str(e)
             raise ClusterSpecError(
                 f"Cannot read hostfile `path`={describe(path)}: {reason}. Expected a "

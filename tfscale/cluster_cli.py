@@ -156,6 +156,7 @@ def _write_job_files(fv):
         _forbid(fv, _SBATCH_FLAGS, "without --sbatch")
     if not fv.tfjob:
         _forbid(fv, _TFJOB_FLAGS, "without --tfjob")
+    _check_utf8(fv, ("command", "image", "partition", "time", "namespace", "job_name"))
     command = _jobfiles.parse_command(fv.command)
     texts = []
     if fv.sbatch:
@@ -184,15 +185,33 @@ def _write_job_files(fv):
             namespace=fv.namespace,
         )
         texts.append((fv.tfjob, manifest, 0o644))
-    # Everything is checked before the first file is written.
-    for path, text, mode in texts:
+    # Everything is checked before the first file is written, and both files are written or neither.
+    try:
+        _jobfiles.write_all_atomic(texts)
+    except OSError as e:
+        flag = "tfjob" if fv.tfjob and e.filename == fv.tfjob else "sbatch"
+        raise _UsageError(
+            f"Cannot write `--{flag}`={e.filename!r}: {e.strerror or e}. Expected a writable path."
+        ) from None
+    for path, _, _ in texts:
+        print(f"wrote {_printable(path)}")
+
+
+def _printable(text):
+    """`text` as UTF-8 can show it: a path's undecodable bytes (surrogate escapes) as \\xNN."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _check_utf8(fv, names):
+    """Job files are UTF-8 text: a flag holding undecodable bytes is one line, not a traceback."""
+    for name in names:
+        value = fv[name].value
         try:
-            _jobfiles.write_atomic(path, text, mode)
-        except OSError as e:
+            (value or "").encode("utf-8")
+        except UnicodeEncodeError:
             raise _UsageError(
-                f"Cannot write {path!r}: {e.strerror or e}. Expected a writable path."
+                f"Invalid value for `--{name}`. Received: {value!r}, which is not UTF-8. Expected UTF-8 text."
             ) from None
-        print(f"wrote {path}")
 
 
 def main(argv, flag_values):
@@ -220,6 +239,7 @@ def run(argv=None):
         print(__doc__ + "\n" + fv.get_help())
         sys.exit(0)
     try:
+        tfscale_flags.check_flagfiles(argv)
         rest = fv(argv)  # --flagfile is handled here too.
     except flags.Error as e:
         sys.exit(errors.report(_PROG, e))

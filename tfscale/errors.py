@@ -35,8 +35,13 @@ def first_line(error):
 def report(prog, error, file=None):
     """Prints `<prog>: error: <first line>` on stderr; returns the exit status for `error`.
 
-    `error` is a `tfscale.Error` (its class says bad input or a failed run) or an absl
-    flags error (bad input).
+    `error` is a `tfscale.Error` (its class says bad input or a failed run; its first line
+    is printed) or an absl flags error or text (bad input; printed whole, newlines escaped).
     """
-    print(f"{prog}: error: {first_line(error)}", file=sys.stderr if file is None else file)
+    if isinstance(error, Error):
+        text = first_line(error)
+    else:
+        # absl quotes a flag's value as given: a newline in the value must not start a second line.
+        text = str(error).strip().replace("\r", "\\r").replace("\n", "\\n") or type(error).__name__
+    print(f"{prog}: error: {text}", file=sys.stderr if file is None else file)
     return getattr(type(error), "exit_status", BAD_INPUT)

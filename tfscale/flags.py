@@ -26,6 +26,7 @@ __all__ = [
     "OPTIMIZERS",
     "SCHEDULES",
     "STRATEGIES",
+    "check_flagfiles",
     "cluster_spec",
     "define_all",
     "define_cluster_flags",
@@ -62,6 +63,67 @@ DEFAULT_GLOBAL_BATCH_SIZE = 64  # what `--global_batch_size` means when neither 
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop"}
 DATASET_PREFIXES = ("digits", "tfds:", "synthetic:")
 MODELS = tuple(_models.MODELS)  # The registry itself, `tfscale.models.MODELS` (imports no Keras).
+
+
+# A flagfile is a few lines of flags; a bigger "flagfile" is a wrong path (absl reads it whole).
+_MAX_FLAGFILE_BYTES = 1 << 20
+_MAX_FLAGFILE_DEPTH = 16
+
+
+def check_flagfiles(argv):
+    """Raises `flags.IllegalFlagValueError` (one line) for a `--flagfile` in `argv` absl mishandles.
+
+    absl reads a flagfile whole with the locale's codec and passes on any line that is not
+    a comment: `--flagfile=/dev/zero` never ends (and eats memory), bytes that are not
+    UTF-8 end in a traceback, and a junk line silently becomes an argument (a command
+    word, for `tfscale-launch`). Each flagfile named in `argv` (before `--`), and each
+    one they include, must be a regular file of at most 1 MiB of UTF-8 text whose lines
+    are flags, comments or blank.
+    """
+    args = list(argv[1:])
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg in ("--flagfile", "-flagfile") and i + 1 < len(args):
+            _check_flagfile(os.path.expanduser(args[i + 1]), [])
+        elif arg.startswith(("--flagfile=", "-flagfile=")):
+            _check_flagfile(os.path.expanduser(arg.split("=", 1)[1]), [])
+
+
+def _flagfile_error(path, problem, expected="a readable file of --flag=value lines"):
+    return flags.IllegalFlagValueError(f"--flagfile={path!r} {problem}. Expected {expected}.")
+
+
+def _check_flagfile(path, stack):
+    import stat
+
+    if path in stack or len(stack) >= _MAX_FLAGFILE_DEPTH:
+        raise _flagfile_error(path, f"is included again through {stack[-1]!r}", "flagfiles that do not loop")
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise _flagfile_error(path, "is not a regular file (a folder, a device or a pipe)")
+        if info.st_size > _MAX_FLAGFILE_BYTES:
+            raise _flagfile_error(path, f"holds {info.st_size} bytes", f"at most {_MAX_FLAGFILE_BYTES} bytes")
+        with open(path, "rb") as f:
+            data = f.read(_MAX_FLAGFILE_BYTES + 1)
+    except OSError as e:
+        raise _flagfile_error(path, f"cannot be read ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _flagfile_error(path, f"is not UTF-8 text (byte {e.start})", "UTF-8 text") from None
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", "//")):
+            continue
+        if line.startswith(("--flagfile=", "-flagfile=")):
+            nested = os.path.expanduser(line.split("=", 1)[1])
+            _check_flagfile(nested, [*stack, path])
+        elif not line.startswith("-"):
+            raise _flagfile_error(
+                path, f"line {number} is not a flag: {line[:80]!r}", "--flag=value lines, comments, blanks"
+            )
 
 
 def _positive_or_none(value):
@@ -118,10 +180,11 @@ def _tf_config_text(value):
 
     if value.lstrip().startswith("{"):
         return value
+    from tfscale._hosts import read_text_file
+
     try:
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
+        return read_text_file(value)  # bounded: --tf_config=/dev/zero must not read forever
+    except (OSError, ValueError) as e:
         raise ClusterSpecError(
             f"--tf_config={value!r} is neither JSON nor an existing file "
             f"({getattr(e, 'strerror', None) or e}). Expected TF_CONFIG JSON or the path of a file "
@@ -274,7 +337,20 @@ def _valid_dataset(value):
     )
 
 
+def _utf8(text):
+    try:
+        text.encode("utf-8")  # an argv byte that is not UTF-8 arrives as a lone surrogate
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _valid_data_dir(value):
+    if value is not None and not _utf8(value):
+        raise flags.ValidationError(
+            f"--data_dir={value!r} holds bytes that are not UTF-8. Expected a UTF-8 path (TensorFlow's "
+            "file functions take no other)."
+        )
     if value is None or os.path.isdir(value):
         return True
     raise flags.ValidationError(f"--data_dir={value!r} does not exist. Expected an existing folder.")
@@ -307,6 +383,9 @@ def define_data_flags(fv):
         "sharding", "auto", ["auto", "data", "files"], "Per-worker input sharding.", flag_values=fv
     )
     flags.register_validator("dataset", _valid_dataset, flag_values=fv)
+    flags.register_validator(
+        "seed", lambda v: 0 <= v < 2**32, "--seed expects an integer in 0-4294967295.", flag_values=fv
+    )
     flags.register_validator("data_dir", _valid_data_dir, flag_values=fv)
     for name in ("global_batch_size", "per_replica_batch_size", "shuffle_buffer"):
         flags.register_validator(
@@ -352,10 +431,16 @@ def define_training_flags(fv):
         "steps_per_epoch", _positive_or_none, "--steps_per_epoch expects a positive integer.", flag_values=fv
     )
     flags.register_validator(
-        "learning_rate", lambda v: v > 0, "--learning_rate expects a positive number.", flag_values=fv
+        "learning_rate",
+        lambda v: 0 < v < float("inf"),
+        "--learning_rate expects a positive, finite number.",
+        flag_values=fv,
     )
     flags.register_validator(
-        "lr_warmup_epochs", lambda v: v >= 0, "--lr_warmup_epochs expects a number >= 0.", flag_values=fv
+        "lr_warmup_epochs",
+        lambda v: 0 <= v < float("inf"),
+        "--lr_warmup_epochs expects a finite number >= 0.",
+        flag_values=fv,
     )
 
 
@@ -463,9 +548,49 @@ def define_model_parallel_flags(fv):
 
 
 def _valid_backup_freq(value):
-    if value == "epoch" or (value.isdigit() and int(value) > 0):
+    # ASCII only: str.isdigit() also takes '²', which int() refuses (a traceback later). At most
+    # 18 digits: int() refuses strings of over 4300 digits, and no run has more steps anyway.
+    if value == "epoch" or (value.isascii() and value.isdigit() and len(value) <= 18 and int(value) > 0):
         return True
-    raise flags.ValidationError(f"--backup_freq={value!r}. Expected 'epoch' or a positive number of steps.")
+    raise flags.ValidationError(
+        f"--backup_freq={value!r}. Expected 'epoch' or a positive number of steps (ASCII digits)."
+    )
+
+
+def _output_dir_problem(path):
+    """Why tfscale could not create and write the folder `path`, or None."""
+    if not path.strip() or not _utf8(path):
+        # TensorFlow's file functions take UTF-8 paths only (a lone surrogate: an undecodable byte).
+        return "is empty" if not path.strip() else "holds bytes that are not UTF-8"
+    probe = os.path.abspath(path)
+    try:
+        try:
+            os.stat(probe)  # a too long or undecodable name fails here, even when missing
+        except FileNotFoundError:
+            pass
+        while not os.path.lexists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            return "is a file" if probe == os.path.abspath(path) else f"is under the file {probe!r}"
+        if not os.access(probe, os.W_OK | os.X_OK):  # also false on a read-only mount, for root
+            return f"cannot be written ({probe!r} is read-only)"
+        if os.statvfs(probe).f_bavail == 0:
+            return f"is on a full file system ({probe!r})"
+    except (OSError, ValueError) as e:
+        return f"cannot be used ({getattr(e, 'strerror', None) or e})"
+    return None
+
+
+def _valid_output_dir(name):
+    """Validator of `--name`, a folder tfscale writes: checked before TensorFlow starts."""
+
+    def check(value):
+        problem = None if value is None else _output_dir_problem(value)
+        if problem:
+            raise flags.ValidationError(f"--{name}={value!r} {problem}. Expected a folder tfscale can write.")
+        return True
+
+    return check
 
 
 def define_fault_tolerance_flags(fv):
@@ -476,6 +601,7 @@ def define_fault_tolerance_flags(fv):
         "fail_at_step", None, "Chaos testing: kill this process at this global step.", flag_values=fv
     )
     flags.register_validator("backup_freq", _valid_backup_freq, flag_values=fv)
+    flags.register_validator("backup_dir", _valid_output_dir("backup_dir"), flag_values=fv)
     flags.register_validator(
         "fail_at_step", _positive_or_none, "--fail_at_step expects a positive integer.", flag_values=fv
     )
@@ -505,6 +631,7 @@ def define_output_flags(fv):
         flag_values=fv,
     )
     flags.register_validator("profile_steps", lambda v: parse_profile_steps(v) or True, flag_values=fv)
+    flags.register_validator("model_dir", _valid_output_dir("model_dir"), flag_values=fv)
 
 
 def expected_replicas(values, environ=None):

@@ -10,7 +10,7 @@ mixed-precision policy, so the loss is computed in float32).
 
 import importlib
 
-from tfscale.errors import Error
+from tfscale.errors import Error, first_line
 
 __all__ = ["MODELS", "ModelError", "build", "cnn", "mlp", "transformer"]
 
@@ -102,8 +102,10 @@ def _factory(name):
         )
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ModelError(f"Cannot load model factory. Received: model={name!r} ({e}).") from None
+    except Exception as e:  # the user's module may raise anything while it imports
+        raise ModelError(
+            f"Cannot load model factory. Received: model={name!r} ({type(e).__name__}: {first_line(e)})."
+        ) from e
     if not callable(factory):
         raise ModelError(f"Model factory is not callable. Received: model={name!r}.")
     return factory
@@ -123,12 +125,21 @@ def build(name, input_shape, num_classes, **options):
         A `keras.Model` producing float32 logits.
 
     Raises:
-        ModelError: unknown name, a factory that cannot be imported, or a model that
-            does not fit the input.
+        ModelError: unknown name, a factory that cannot be imported, that raises, or
+            that returns no `keras.Model`.
     """
     import keras
 
-    model = _factory(name)(tuple(input_shape), num_classes, **options)
+    factory = _factory(name)
+    try:
+        model = factory(tuple(input_shape), num_classes, **options)
+    except Error:
+        raise
+    except Exception as e:  # the binary shows one line; `from e` keeps the rest
+        raise ModelError(
+            f"Model factory raised {type(e).__name__}: {first_line(e)}. Received: model={name!r}. "
+            f"Expected a function (input_shape, num_classes) returning a keras.Model."
+        ) from e
     if not isinstance(model, keras.Model):
         raise ModelError(
             f"Model factory returned {type(model).__name__}. Received: model={name!r}. "

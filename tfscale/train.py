@@ -32,6 +32,7 @@ __all__ = [
     "TrainResult",
     "config_from_flags",
     "main",
+    "parse",
     "run",
     "train",
 ]
@@ -493,6 +494,24 @@ def main(argv, fv):
     return result
 
 
+def parse(argv, fv):
+    """Parses `argv` into `fv`; returns `argv`, or the exit status (help, bad flags)."""
+    if any(a in ("--help", "-h", "--helpshort", "--helpfull") for a in argv[1:]):
+        print(fv.get_help())
+        return 0
+    try:
+        tfscale_flags.check_flagfiles(argv)
+        rest = fv(argv)
+        if rest[1:]:  # A stray word (a typo'd flag without dashes) must not be ignored.
+            raise flags.Error(f"Unexpected argument {rest[1]!r}. Expected only --flags.")
+    except flags.Error as e:
+        text = str(e).strip()
+        if text.startswith("flags ") and ": --" in text:
+            text = "--" + text.split(": --", 1)[1]  # Multi-flag validators: our message names the flags.
+        return errors.report("tfscale-train", text)
+    return argv
+
+
 def run(argv=None):
     """Console script `tfscale-train`: a `tfscale.Error` is one line on stderr and its exit status.
 
@@ -502,16 +521,9 @@ def run(argv=None):
     prog = "tfscale-train"
     fv = flags.FlagValues()
     tfscale_flags.define_all(fv)
-    if any(a in ("--help", "-h", "--helpshort", "--helpfull") for a in argv[1:]):
-        print(fv.get_help())
-        return 0
-    try:
-        fv(argv)
-    except flags.Error as e:
-        text = errors.first_line(e)
-        if text.startswith("flags ") and ": --" in text:
-            text = "--" + text.split(": --", 1)[1]  # Multi-flag validators: our message names the flags.
-        return errors.report(prog, text)
+    parsed = parse(argv, fv)
+    if isinstance(parsed, int):
+        return parsed
     # TensorFlow's C++ INFO/WARNING lines would bury the one-line errors and the summary.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     _quiet.import_tensorflow()

@@ -108,7 +108,7 @@ class PipelineStrategy:
         reject_unknown("pipeline", unknown, _OPTIONS)
         self.num_stages = positive_int("num_stages", num_stages)
         self.num_microbatches = positive_int("num_microbatches", num_microbatches)
-        if schedule not in schedules.SCHEDULES:
+        if not isinstance(schedule, str) or schedule not in schedules.SCHEDULES:  # a list: TypeError
             raise StrategyError(
                 f"Invalid value for argument `schedule`. Received: schedule={schedule!r}. "
                 f"Expected one of {list(schedules.SCHEDULES)}."

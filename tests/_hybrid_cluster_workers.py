@@ -138,11 +138,12 @@ def _errors(make):
     return None
 
 
-def pipeline(shape, size="test"):
+def pipeline(shape, size="test", workdir=None):
     """Trains the MLP as `shape` ("stages": one stage per task; "hybrid": 2 devices a task,
     data parallel across the tasks); returns losses, weights, placement, bytes and step time.
 
-    `size`: a key of `SIZES` (the tests use "test").
+    `size`: a key of `SIZES` (the tests use "test"). `workdir`: also back up and resume
+    there (`_backup_and_resume`), under "backup".
     """
     hidden, batch = SIZES[size]
     if not _connect(2 if shape == "hybrid" else 1):
@@ -178,7 +179,55 @@ def pipeline(shape, size="test"):
     result["too_many"] = _errors(
         lambda: tfscale.strategies.get("pipeline", num_stages=2, data_parallel=len(strategy.devices))
     )
+    if workdir is not None:
+        result["backup"] = _backup_and_resume(strategy, hidden, batch, workdir)
     return result
+
+
+def _backup_and_resume(strategy, hidden, batch, workdir):
+    """A fresh pipelined model trained with `BackupAndRestore(save_freq=1)` fails after
+    step 3 (of 4); another resumes from the backup. Returns the step-3 backup's shard
+    records with the names of their variables, the names of the variables that live on
+    another task than the client's, the step resumed from and the resumed weights."""
+    import json
+
+    import tfscale.callbacks
+    from tfscale.strategies._placement import variable_device
+
+    backup_dir = os.path.join(workdir, "backup")
+    interrupted = compile_(strategy.split(model(hidden)))
+    try:
+        train(
+            interrupted,
+            batch=batch,
+            callbacks=[
+                tfscale.callbacks.BackupAndRestore(backup_dir, save_freq=1),
+                tfscale.callbacks.FailAt(3, mode="raise"),
+            ],
+        )
+    except tfscale.callbacks.InjectedFault:
+        pass
+    with open(os.path.join(backup_dir, "ckpt-000000000003", "manifest.json")) as f:
+        manifest = json.load(f)
+    # The backup's variable list: the model's variables, then the optimizer's.
+    names = [path for path, _, _ in manifest["meta"]["model"] + manifest["meta"]["optimizer_variables"]]
+    state = list(interrupted.variables) + list(interrupted.optimizer.variables)
+    callback = tfscale.callbacks.BackupAndRestore(backup_dir, save_freq=1)
+    resumed = compile_(strategy.split(model(hidden)))
+    train(resumed, batch=batch, callbacks=[callback])
+    return {
+        "shards": [
+            {
+                **{k: s.get(k) for k in ("kind", "device", "written_on")},
+                "names": [names[i] for i in s["variables"]],
+            }
+            for s in manifest["shards"]
+        ],
+        "on_task_1": sorted(v.path for v in state if "/task:1/" in variable_device(v)),
+        "stage_2": sorted(v.path for v in interrupted.stages[1].trainable_variables),
+        "restored_step": callback.restored_from["global_step"],
+        "weights": [np.asarray(w) for w in resumed.get_weights()],
+    }
 
 
 class _KillTask:

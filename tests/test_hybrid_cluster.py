@@ -32,8 +32,8 @@ def reference():
     return history, model.get_weights()
 
 
-def _run(shape):
-    results = run_local_cluster(workers.pipeline, 2, args=(shape,), timeout=240, env=ENV)
+def _run(shape, workdir=None):
+    results = run_local_cluster(workers.pipeline, 2, args=(shape, "test", workdir), timeout=240, env=ENV)
     client, server = (r.value for r in results)
     assert server is None  # The serving task returned once the client had gone.
     return client
@@ -49,8 +49,8 @@ def _assert_like_reference(result, reference):
 
 
 @pytest.mark.slow
-def test_stages_on_two_processes_train_like_one_device(reference):
-    result = _run("stages")
+def test_stages_on_two_processes_train_like_one_device(reference, tmp_path):
+    result = _run("stages", str(tmp_path))
     _assert_like_reference(result, reference)
     # Stage s: its variables and its momentum slots on task s.
     [stages] = result["placement"]
@@ -62,6 +62,23 @@ def test_stages_on_two_processes_train_like_one_device(reference):
     assert "task worker:7 is not in the cluster" in result["bad_task"]
     assert "data_parallel=2 x num_stages=2 = 4 devices, more than the 2" in result["too_many"]
     assert "\n" not in result["bad_task"] + result["too_many"]
+    # Backed up without gathering (issue 18): stage 2's variables and momentum slots, all that
+    # lives on task 1, are one shard written on task 1 itself; the client's shards hold only
+    # task 0's variables. A resume from the step-3 backup ends as the uninterrupted run.
+    backup = result["backup"]
+    on_task_1 = backup["on_task_1"]
+    assert set(backup["stage_2"]) < set(on_task_1) and len(on_task_1) == 2 * len(backup["stage_2"])
+    placed = [s for s in backup["shards"] if s["kind"] == "tensors"]
+    assert [(s["device"], s["written_on"], sorted(s["names"])) for s in placed] == [
+        (TASK.format(1, 0), TASK.format(1, 0), on_task_1)
+    ]
+    local = [s for s in backup["shards"] if s not in placed]
+    assert local and all(
+        "/task:1/" not in s["device"] and not set(s["names"]) & set(on_task_1) for s in local
+    )
+    assert backup["restored_step"] == 3
+    for got, want in zip(backup["weights"], result["weights"], strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

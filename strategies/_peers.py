@@ -17,6 +17,7 @@ thread keeps the default action during TensorFlow's init, and it is restored aft
 import ctypes
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -77,11 +78,20 @@ class _Listener:
             pass  # The port is taken or odd: TensorFlow reports that itself when it binds.
 
     def _accept(self):
+        # Dropped with a reset (linger 0), not a FIN: a connection this side closes first
+        # would sit in TIME_WAIT on this task's port, and a later bind of the port without
+        # SO_REUSEADDR would fail (seen once in a full run, in the bind test).
+        linger = struct.pack("ii", 1, 0)
         while True:
             try:
-                self._sock.accept()[0].close()
+                connection = self._sock.accept()[0]
             except OSError:
                 return  # Closed.
+            try:
+                connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+            except OSError:
+                pass
+            connection.close()
 
     def close(self):
         if self._sock is None:

@@ -487,7 +487,15 @@ def test_tfscale_train_with_backup_dir_equal_to_model_dir_keeps_user_files(tmp_p
     digits.prepare(str(data_dir))
     shared = tmp_path / "run"
     files = _plant_user_files(shared)
-    command = [sys.executable, "-m", "tfscale.train", "--epochs=1", "--global_batch_size=64", "--seed=0"]
+    command = [
+        sys.executable,
+        "-m",
+        "tfscale.train",
+        "--epochs=1",
+        "--steps_per_epoch=4",
+        "--global_batch_size=64",
+        "--seed=0",
+    ]
     command += [
         f"--data_dir={data_dir}",
         f"--backup_dir={shared}",

@@ -39,16 +39,31 @@ def _timed_callback_class():
     import tfscale.callbacks
 
     class TimedBackup(tfscale.callbacks.BackupAndRestore):
-        """Records how long each save takes (the real `_save`, timed from outside)."""
+        """Records each save, the training thread's time in the callback's step and epoch
+        hooks (snapshots, writes when synchronous, and any wait for a background write),
+        and the most steps ever at risk (after a step, the steps since the newest
+        published backup, +1 for the step about to run)."""
 
-        save_seconds = ()
+        saves = 0
+        thread_seconds = 0.0
         writer_waits = 0
+        most_at_risk = 0
 
         def _save(self, *args, **kwargs):
-            start = time.perf_counter()
             super()._save(*args, **kwargs)
-            self.save_seconds = (*self.save_seconds, time.perf_counter() - start)
+            self.saves += 1
+
+        def on_train_batch_end(self, batch, logs=None):
+            start = time.perf_counter()
+            super().on_train_batch_end(batch, logs)
+            self.thread_seconds += time.perf_counter() - start
             self.writer_waits = self._writer.waits
+            self.most_at_risk = max(self.most_at_risk, self._global_step + 1 - self._published)
+
+        def on_epoch_end(self, epoch, logs=None):
+            start = time.perf_counter()
+            super().on_epoch_end(epoch, logs)
+            self.thread_seconds += time.perf_counter() - start
 
     return TimedBackup
 
@@ -138,7 +153,8 @@ def _fit_once(kind, save_freq, steps_per_epoch, workdir, async_save=False, *, tr
     if trace_memory:
         peak_extra = tracemalloc.get_traced_memory()[1] - base
         tracemalloc.stop()
-    saves = getattr(callbacks[0], "save_seconds", ()) if callbacks else ()
+    timed = callbacks[0] if callbacks and hasattr(callbacks[0], "thread_seconds") else None
+    tf_saves = getattr(callbacks[0], "save_seconds", ()) if callbacks and not timed else ()
     size = 0
     if callbacks:
         backup_dir = callbacks[0].backup_dir
@@ -147,17 +163,17 @@ def _fit_once(kind, save_freq, steps_per_epoch, workdir, async_save=False, *, tr
     return {
         "params": model.count_params(),
         "seconds": total,
-        "saves": len(saves),
-        "save_seconds": list(saves),
+        "saves": timed.saves if timed else len(tf_saves),
+        "thread_seconds": timed.thread_seconds if timed else sum(tf_saves),
+        "most_at_risk": timed.most_at_risk if timed else None,
         "disk_bytes": size,
-        "waits": getattr(callbacks[0], "writer_waits", 0) if callbacks else 0,
+        "waits": timed.writer_waits if timed else 0,
         "state_bytes": sum(v.value.numpy().nbytes for v in model.variables + model.optimizer.variables),
         "peak_extra_bytes": peak_extra,
     }
 
 
 def _save_costs(steps_per_epoch, repeat, only=None):
-    import numpy as np
 
     workdir = tempfile.mkdtemp(prefix="tfscale-bench-backup-")
     rows, failures = {}, {}
@@ -191,14 +207,14 @@ def _save_costs(steps_per_epoch, repeat, only=None):
         f"batch 32, Adam; best of {repeat} fits"
     )
     print(
-        f"{'callback, save_freq':>20} {'fit s':>7} {'step ms':>8} {'saves':>5} {'ms/save':>8} {'median':>6} "
-        f"{'waits':>5} {'MB/backup':>9} "
+        f"{'callback, save_freq':>20} {'fit s':>7} {'step ms':>8} {'saves':>5} {'ms/save':>8} "
+        f"{'waits':>5} {'at risk':>7} {'MB/backup':>9} "
         f"{'share':>7} {'vs no callback':>14}"
     )
     for label, r in rows.items():
         steps = 2 * steps_per_epoch
-        per_save = 1000 * sum(r["save_seconds"]) / r["saves"] if r["saves"] else 0.0
-        share = sum(r["save_seconds"]) / r["seconds"]
+        per_save = 1000 * r["thread_seconds"] / r["saves"] if r["saves"] else 0.0
+        share = r["thread_seconds"] / r["seconds"]
         mb = r["disk_bytes"] / 2**20
         r.update(
             step_ms=1000 * r["seconds"] / steps,
@@ -206,15 +222,19 @@ def _save_costs(steps_per_epoch, repeat, only=None):
             share_of_fit=share,
             overhead=r["seconds"] / base - 1,
         )
+        risk = "-" if r["most_at_risk"] is None else str(r["most_at_risk"])
         print(
             f"{label:>20} {r['seconds']:>7.2f} {r['step_ms']:>8.2f} {r['saves']:>5} {per_save:>8.2f} "
-            f"{1000 * float(np.median(r['save_seconds'] or [0])):>6.2f} "
-            f"{r['waits']:>5} {mb:>9.2f} "
+            f"{r['waits']:>5} {risk:>7} {mb:>9.2f} "
             f"{100 * share:>6.1f}% {100 * r['overhead']:>+13.1f}%"
         )
     for label, error in failures.items():
         print(f"{label:>20} failed: {error}")
-    print("ms/save: time on the training thread; share: of fit time; vs no callback: whole fit")
+    print(
+        "ms/save: the training thread's time in the callback (snapshots, synchronous writes, waits for "
+        "a background write) per save; share: of fit time; at risk: most steps a kill could have lost; "
+        "vs no callback: whole fit"
+    )
     return {**rows, **{label: {"error": error} for label, error in failures.items()}}
 
 

@@ -13,10 +13,10 @@ to `bench/results/chaos_backup[_workers2][_stock].json`.
 
 With `async_save` (the default here) every 4th trial is killed on purpose while a
 background write is in flight: its writes are slowed by `--slow_write` seconds and the
-kill comes 1-2 steps after a backup step. A kill during a write loses the backup being
-written, so with async a trial may lose up to `save_freq` + the steps run since that
-backup was due (kills just after a backup step of this tiny model often land mid-write
-too); the last line gives how many lost more than `save_freq` and the most lost.
+writer's process SIGKILLs itself at the first step end (from a random step on) at which
+a write is in flight, so the backup being written is lost. Every trial must lose at most
+`save_freq` steps, sync or async (async snapshots early enough for that); the last line
+gives how many lost more and the most lost.
 """
 
 import argparse
@@ -105,7 +105,10 @@ def _first_error(tasks):
 
 
 def _trial(run, base, kill_step, kill_task, reference, *, slow_write=0.0):
-    fail = {"step": kill_step, "mode": "sigkill"}
+    if slow_write:  # the writer kills itself at the first step end >= kill_step with a write in flight
+        fail = {"in_flight_after": kill_step}
+    else:
+        fail = {"step": kill_step, "mode": "sigkill"}
     if kill_task is not None:
         fail["task"] = kill_task
     killed = run({**base, "fail": fail, **({"slow_write": slow_write} if slow_write else {})})
@@ -119,9 +122,9 @@ def _trial(run, base, kill_step, kill_task, reference, *, slow_write=0.0):
     resumed_at = TOTAL_STEPS - steps_run
     diff = max(_max_diff(t["result"], r["result"]) for t, r in zip(resumed, reference))
     lost = last - resumed_at
-    # With async_save a kill during a background write loses that backup too: up to the steps
-    # run since it was due more (the write before it was published: the next one waited for it).
-    allowed = base["save_freq"] + (kill_step % base["save_freq"] if base.get("async_save") else 0)
+    # Sync or async, a kill loses at most save_freq steps: with async_save, snapshots come
+    # early enough that the write in flight is never the only backup less than save_freq old.
+    allowed = base["save_freq"]
     row.update(
         resumed_at=resumed_at,
         steps_lost=lost,
@@ -162,10 +165,11 @@ def main(argv=None):
         task = ("worker", rng.randint(0, 1)) if args.workers == 2 else None
         slow = 0.0
         if in_flight and i % 4 == 3:
-            # 1-2 steps after a backup step whose write takes `slow_write` s: still in flight.
+            # Killed while a write (slowed by `slow_write` s) is in flight, at the first step end
+            # from `kill_step` on at which one is: the writer's process (worker 0 in a cluster).
             slow = args.slow_write
-            backup_step = args.save_freq * rng.randint(1, (TOTAL_STEPS - 3) // args.save_freq)
-            kill_step = backup_step + rng.randint(1, 2)
+            kill_step = rng.randint(1, TOTAL_STEPS - 3 * args.save_freq)
+            task = ("worker", 0) if args.workers == 2 else None
         row = _trial(
             run,
             {**base, "backup_dir": os.path.join(workdir, f"t{i}")},
@@ -189,7 +193,7 @@ def main(argv=None):
     over = sum(r.get("steps_lost", 0) > args.save_freq for r in rows)
     print(
         f"{passed}/{len(rows)} trials resumed exactly (max |diff| <= 1e-6, steps lost <= {args.save_freq}"
-        f"{', + steps since the backup in flight' if in_flight else ''}); {flights} killed mid-write on "
+        f"); {flights} killed mid-write on "
         f"purpose; {over} lost more than {args.save_freq}; most lost: {most_lost}"
     )
     name = "chaos_backup" + ("_workers2" if args.workers == 2 else "") + ("_stock" if args.stock else "")

@@ -85,11 +85,18 @@ def _client(port0, port1, options):
         _fit(first, [backup(), tfscale.callbacks.FailAt(10, mode="raise")])
     except tfscale.callbacks.InjectedFault:
         pass
-    newest = os.path.join(backup_dir, "ckpt-000000000008")
+    from tfscale.callbacks import _backup_store, _backup_writer
+
+    _backup_writer.wait_for_directory(backup_dir)  # a write in flight when `fit` raised
+
+    # ckpt-8 (backups at 4 and 8, the fit fails after 10); with async_save, snapshots come
+    # earlier so that at most save_freq steps are at risk.
+    newest = os.path.join(backup_dir, _backup_store.BackupStore(backup_dir, 2).published()[0])
     with open(os.path.join(newest, "manifest.json")) as f:
         shards = json.load(f)["shards"]
     placed = [s for s in shards if s["kind"] == "tensors"]
     result = {
+        "newest_step": int(os.path.basename(newest).split("-")[1]),
         "devices": sorted({v.value.device for v in first.variables + first.optimizer.variables}),
         "shards": [{k: s[k] for k in ("file", "kind", "device", "variables")} for s in shards],
         "written_on": [s["written_on"] for s in placed],

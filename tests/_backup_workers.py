@@ -105,6 +105,23 @@ def slow_backup_class(seconds, log=None):
     return SlowBackup
 
 
+def _kill_mid_write_class(base, after_step):
+    """`base` (a `BackupAndRestore` class) whose writer SIGKILLs its own process at the first
+    step end after `after_step` at which a background write is in flight: a kill that loses
+    the backup being written, on purpose."""
+    import signal
+
+    import tfscale.callbacks
+
+    class KillMidWrite(base or tfscale.callbacks.BackupAndRestore):
+        def on_train_batch_end(self, batch, logs=None):
+            super().on_train_batch_end(batch, logs)
+            if self._global_step >= after_step and self._role.writer and self._writer.busy():
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return KillMidWrite
+
+
 def build_model(strategy, steps_per_execution=1, units=16):
     import keras
 
@@ -159,6 +176,9 @@ def train(
     else:
         if slow_write and callback_class is None:
             callback_class = slow_backup_class(slow_write)
+        if fail and "in_flight_after" in fail:
+            callback_class = _kill_mid_write_class(callback_class, fail["in_flight_after"])
+            fail = None
         backup = (callback_class or tfscale.callbacks.BackupAndRestore)(
             backup_dir,
             save_freq=save_freq,

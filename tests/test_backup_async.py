@@ -19,22 +19,27 @@ from tfscale.callbacks import _backup_store
 __all__ = ["reference", "small_tmpfs"]  # fixtures used here
 
 
-def _weights_at_each_step():
+def _record_each_step(backup_dir):
+    """Weights after each step, and the newest backup published on disk at that moment."""
     import keras
+
+    store = _backup_store.BackupStore(backup_dir, 100)
 
     class Record(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.weights = {}
+            self.weights, self.published = {}, {}
 
         def on_train_batch_end(self, batch, logs=None):
             step = int(self.model.optimizer.iterations.numpy())
             self.weights[step] = [v.value.numpy().copy() for v in self.model.variables]
+            names = store.published()
+            self.published[step] = int(names[0].split("-")[1]) if names else 0
 
     return Record()
 
 
-def test_writes_off_the_training_thread_from_a_copy_and_skips_none(tmp_path):
+def test_writes_off_the_training_thread_from_a_copy_and_never_more_than_save_freq_steps_at_risk(tmp_path):
     import tfscale.strategies
 
     writes = []
@@ -42,14 +47,19 @@ def test_writes_off_the_training_thread_from_a_copy_and_skips_none(tmp_path):
     backup = workers.slow_backup_class(0.05, writes)(
         str(tmp_path / "b"), save_freq=5, max_to_keep=100, delete_checkpoint=False, async_save=True
     )
-    record = _weights_at_each_step()
+    record = _record_each_step(backup.backup_dir)
     start = time.perf_counter()
     model.fit(**workers.make_data("array", 8), epochs=3, callbacks=[backup, record], verbose=0)
     assert time.perf_counter() - start > 9 * 0.05  # fit returned only after the last write
-    steps = list(range(5, TOTAL_STEPS + 1, 5))
-    assert [s for s, _ in writes] == steps  # a backup due during a write waited; none skipped
+    # After every step, a kill before the next one ends loses at most save_freq steps: the
+    # newest published backup is never more than 5 steps behind the step about to run.
+    # (Backups every 5 steps would leave 7 at risk here: each write takes several steps.)
+    at_risk = {step + 1 - published for step, published in record.published.items()}
+    assert max(at_risk) <= 5 and sorted(record.published) == list(range(1, TOTAL_STEPS + 1))
+    steps = [s for s, _ in writes]
     assert all(name == "tfscale-backup-writer" for _, name in writes)
-    assert backup._writer.waits > 0  # 5 steps take less than a 50 ms write
+    assert steps == sorted(set(steps)) and steps[-1] >= TOTAL_STEPS - 5
+    assert backup._writer.waits > 0  # 5 steps take less than a 50 ms write: the step waited
     store = _backup_store.BackupStore(backup.backup_dir, 100)
     assert store.published() == [store.name(s) for s in reversed(steps)]
     for step in steps:
@@ -66,42 +76,60 @@ def test_background_write_error_raises_at_next_step_and_keeps_last_backup(small_
         _fit(backup_dir, [_fill_disk_after(7, small_tmpfs), steps], async_save=True)
     message = str(raised.value)
     assert len(message.splitlines()) == 1
-    assert re.search(rf"step 10 to '{backup_dir}/\.tmp-ckpt-0+10-.*No space left on device", message)
-    assert "last backup is kept" in message and "ckpt-000000000005" in message
+    failed = re.search(rf"step (\d+) to '{backup_dir}/\.tmp-ckpt-0+(\d+)-.*No space left on device", message)
+    kept = re.search(rf"last backup is kept \({backup_dir}/ckpt-0+(\d+)\)", message)
+    assert failed and kept, message
+    failed_step, kept_step = int(failed[1]), int(kept[1])
+    # The first backup after the disk filled (after step 7) failed; the one before is kept.
+    assert int(failed[2]) == failed_step and kept_step <= 7 < failed_step <= 7 + 5
     # Raised on the training thread at a step after the failed write (the counter runs after
     # the backup callback: it did not count the step that raised), before the next backup.
-    assert 10 <= steps.steps < 15
-    assert os.listdir(backup_dir) == ["ckpt-000000000005"]
+    assert failed_step <= steps.steps < failed_step + 5
+    assert os.listdir(backup_dir) == [f"ckpt-{kept_step:012d}"]
     os.remove(small_tmpfs / "filler")
     resumed = _fit(backup_dir, [], delete_checkpoint=False)
-    assert resumed.restored_from["global_step"] == 5
+    assert resumed.restored_from["global_step"] == kept_step
 
 
 def test_fit_that_raises_mid_write_publishes_it_and_next_fit_resumes_from_it(tmp_path, reference):
     backup_dir = str(tmp_path / "b")
-    slow = workers.slow_backup_class(0.5)
-    with pytest.raises(tfscale.callbacks.InjectedFault):
-        # Raises at step 11, while the backup of step 10 is still being written.
-        workers.train(backup_dir, fail={"step": 11, "mode": "raise"}, callback_class=slow, async_save=True)
-    # A new callback (a fresh `fit`) waits for that write instead of resuming from step 5.
+    writes = []
+
+    class RaiseMidWrite(workers.slow_backup_class(0.5, writes)):
+        def on_train_batch_end(self, batch, logs=None):
+            super().on_train_batch_end(batch, logs)
+            if self._global_step >= 8 and self._writer.busy():
+                raise tfscale.callbacks.InjectedFault(
+                    f"raised while the backup of step {writes[-1][0]} is written"
+                )
+
+    with pytest.raises(tfscale.callbacks.InjectedFault) as raised:
+        workers.train(backup_dir, callback_class=RaiseMidWrite, async_save=True)
+    in_flight = writes[-1][0]
+    assert str(in_flight) in str(raised.value) and len(writes) >= 2
+    # A new callback (a fresh `fit`) waits for that write instead of resuming from the one before.
     resumed = workers.train(backup_dir, async_save=True)
-    assert resumed["restored"]["global_step"] == 10
-    assert resumed["steps_run"] == TOTAL_STEPS - 10
+    assert resumed["restored"]["global_step"] == in_flight
+    assert resumed["steps_run"] == TOTAL_STEPS - in_flight
     assert max_diff(resumed, reference()) <= 1e-6
 
 
 def test_sigterm_backup_is_written_before_exit_even_with_a_write_in_flight(tmp_path, reference):
     backup_dir = str(tmp_path / "b")
+    writes = []
     with pytest.raises(SystemExit) as exited:
-        # SIGTERM noticed after step 10 (backup of 10 in flight), saved synchronously after 11.
+        # SIGTERM noticed after step 10, while the backup of step 9 is written (0.3 s, in the
+        # background: every write here takes longer than save_freq // 2 = 2 steps, so one is
+        # snapshotted every 3 steps); saved synchronously after 11.
         workers.train(
             backup_dir,
             fail={"step": 9, "mode": "sigterm"},
-            callback_class=workers.slow_backup_class(0.3),
+            callback_class=workers.slow_backup_class(0.3, writes),
             async_save=True,
         )
     assert exited.value.code == tfscale.callbacks.RESTART_EXIT_CODE
-    assert sorted(os.listdir(backup_dir)) == ["ckpt-000000000011"]  # published, and 10 pruned
+    assert writes[-2:] == [(9, "tfscale-backup-writer"), (11, "MainThread")]
+    assert sorted(os.listdir(backup_dir)) == ["ckpt-000000000011"]  # published, and 9 pruned
     resumed = workers.train(backup_dir, async_save=True)
     assert resumed["steps_run"] == TOTAL_STEPS - 11
     assert max_diff(resumed, reference()) <= 1e-6

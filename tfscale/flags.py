@@ -594,9 +594,16 @@ def _valid_output_dir(name):
 
 
 def define_fault_tolerance_flags(fv):
-    """--backup_dir, --backup_freq (and the hidden --fail_at_step for chaos tests)."""
+    """--backup_dir, --backup_freq, --backup_async (and the hidden --fail_at_step for chaos tests)."""
     flags.DEFINE_string("backup_dir", None, "Back up training state here; resume from it.", flag_values=fv)
     flags.DEFINE_string("backup_freq", "epoch", "'epoch' or a number of steps.", flag_values=fv)
+    flags.DEFINE_boolean(
+        "backup_async",
+        False,
+        "Write backups on a background thread (BackupAndRestore's async_save): the step pays "
+        "only a copy of the state; with a number of steps, a kill still loses at most that many.",
+        flag_values=fv,
+    )
     flags.DEFINE_integer(
         "fail_at_step", None, "Chaos testing: kill this process at this global step.", flag_values=fv
     )

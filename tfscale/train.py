@@ -72,6 +72,7 @@ class TrainConfig:
     steps_per_execution: int = 1
     backup_dir: Optional[str] = None
     backup_freq: Any = "epoch"
+    backup_async: bool = False
     fail_at_step: Optional[int] = None
     model_dir: Optional[str] = None
     plan_report: bool = False
@@ -226,9 +227,12 @@ def _backup_callback(config, global_batch, elastic):
 
     if elastic is not None:  # backups made at another size resume here
         return ElasticBackupAndRestore(
-            config.backup_dir, save_freq=config.backup_freq, global_batch_size=global_batch
+            config.backup_dir,
+            save_freq=config.backup_freq,
+            global_batch_size=global_batch,
+            async_save=config.backup_async,
         )
-    return BackupAndRestore(config.backup_dir, save_freq=config.backup_freq)
+    return BackupAndRestore(config.backup_dir, save_freq=config.backup_freq, async_save=config.backup_async)
 
 
 def _elastic(config, global_batch, replicas):
@@ -256,8 +260,11 @@ def _elastic(config, global_batch, replicas):
 def _fail_at_callback(step):
     from tfscale.callbacks import FailAt
 
-    # SIGKILL: no cleanup at all, the harshest fault a restart has to survive.
-    return FailAt(step, mode="sigkill")
+    # SIGKILL: no cleanup at all, the harshest fault a restart has to survive. Under
+    # tfscale-launch only the first attempt fails, so that the restarted job replays the
+    # step (from a backup before it) without failing again.
+    first_attempt = 0 if "TFSCALE_RESTART_COUNT" in os.environ else None
+    return FailAt(step, mode="sigkill", restart_count=first_attempt)
 
 
 def _data_parallel(strategy):

@@ -4,7 +4,9 @@
 thread and gives the write (hash, write, fsync, rename, prune) to a `BackgroundWriter`.
 At most one write is in flight: the next backup waits for it before taking its snapshot,
 so at most one extra copy of the state exists and no due backup is skipped (skipping
-would let more than `save_freq` steps pass between published backups).
+would let more than `save_freq` steps pass between published backups). When the
+snapshots are taken, and when a step must wait for a write, is the callback's
+business (`BackupAndRestore._bounded_save`).
 
 A write that raised keeps its exception until the training thread takes it (at the next
 step). The thread is not a daemon: when `fit` raises, the write in flight still finishes

@@ -2,6 +2,7 @@
 
 import functools
 import logging
+import math
 import os
 import re
 import time
@@ -200,16 +201,21 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_before_preemption: on SIGTERM, back up at the next step and exit with
             `RESTART_EXIT_CODE` (TensorFlow's `PreemptionCheckpointHandler`).
         async_save: write backups on a background thread. The training thread copies
-            the state to host memory (one extra copy at most) and goes on; a backup
-            due while the previous one is still being written waits for it (none is
-            skipped). A failed background write raises `BackupWriteError` at the next
-            step. The SIGTERM backup is written synchronously, and `fit` ends only
-            after the last write is published. The price: a crash while a write is in
-            flight loses that backup too (at most `save_freq - 1` + the steps run during
-            the write, and so at most `2 * save_freq - 1`, since the next backup waits for
-            the write; synchronous: `save_freq - 1`), and after a `fit` that raised the write in
-            flight is still published (the next `fit` waits for it). Off by default,
-            like Keras, TensorFlow and Orbax: a backup is on disk when its step ends.
+            the state to host memory (one extra copy at most) and goes on. With an
+            integer `save_freq`, a kill still loses at most `save_freq` steps, as with
+            synchronous saves: each snapshot is taken early, about twice the steps a
+            write has been taking (at most `save_freq // 2`) before the newest published
+            backup would be `save_freq` steps old, so backups come somewhat more often
+            than every `save_freq` steps and at steps that are not its multiples; if a
+            write is still in flight when the next step would leave more than
+            `save_freq` steps unprotected, the step waits for it (at most one write is
+            ever in flight; none is skipped). With `"epoch"`, a kill during the write
+            loses that epoch too. A failed background write raises `BackupWriteError`
+            at the next step. The SIGTERM backup is written synchronously, and `fit`
+            ends only after the last write is published (after a `fit` that raised, the
+            write in flight is still published: the next `fit` waits for it). Off by
+            default, like Keras, TensorFlow and Orbax: backups land exactly every
+            `save_freq` steps and no extra copy of the state is held.
 
     Raises:
         BackupError: an argument is invalid.
@@ -370,8 +376,11 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _write(self, global_step, meta, shards, reason, position):
         """Writes, publishes and prunes one backup (on the background thread if async)."""
+        start = time.perf_counter()
         try:
             path = self._store.write(global_step, meta, shards)
+            self._published = global_step
+            self._write_seconds = time.perf_counter() - start
             self._store.prune(global_step)
         except (OSError, tf.errors.OpError) as e:  # OpError: a placed shard's write failed
             where = getattr(e, "filename", None) or self.backup_dir
@@ -524,6 +533,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         if backup is not None:
             self._restore(backup)
         self._snapshot_function()
+        self._published = self._global_step  # the newest backup on disk (or the start)
+        self._bounded = self.async_save and type(self.save_freq) is int
+        self._write_seconds = self._step_seconds = None
+        self._timed = 0
+        self._next_due = self._global_step + self.save_freq - self._lag() if self._bounded else None
+        if self._bounded and self._multi_worker:
+            self._agree = _backup_cluster.from_writer(strategy, self._role.writer)
         self._preemption = None
         if self.save_before_preemption:
             self._preemption = PreemptionWatch(
@@ -541,6 +557,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self._begin = batch
+        self._begin_time = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
         if self._writer.error is not None:
@@ -550,10 +567,49 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._step = batch + 1
         self._global_step += done
         freq = self.save_freq
-        if type(freq) is int and self._global_step // freq > before // freq:
+        if self._bounded:
+            self._bounded_save(done)
+        elif type(freq) is int and self._global_step // freq > before // freq:
             self._save()
         if self._preemption is not None:
             self._preemption.step_done()
+
+    def _bounded_save(self, done):
+        """`async_save` with an integer `save_freq`: never more than `save_freq` steps at risk.
+
+        A kill loses the steps since the newest *published* backup. Snapshots every
+        `save_freq` steps would leave up to `save_freq - 1` + the steps run during a
+        write at risk. So a snapshot is taken `lag` steps before the published one
+        would be `save_freq` old, `lag` being about twice the steps a write has been
+        taking (at most `save_freq // 2`, so at most one write is in flight), and the
+        writer waits for the write in flight only if the next `done` steps would
+        otherwise leave more than `save_freq` steps after the newest published backup.
+        When to snapshot depends only on steps and the writer's agreed `lag`, so every
+        worker snapshots at the same step (reading the variables can be a collective).
+        """
+        freq, step = self.save_freq, self._global_step
+        seconds = (time.perf_counter() - self._begin_time) / done
+        self._timed += 1
+        if self._timed > 1:  # the first execution of a `fit` also traces the step
+            old = self._step_seconds
+            self._step_seconds = seconds if old is None else 0.8 * old + 0.2 * seconds
+        last = self._last_saved if self._last_saved is not None else self._published
+        if step >= self._next_due or step + done - last > freq:
+            lag = self._lag()
+            self._save()
+            if self._multi_worker:
+                lag = round(self._agree(lag))
+            self._next_due = step + max(done, freq - lag)
+        if self._role.writer and step + done - self._published > freq:
+            self._writer.wait()  # the write in flight is of this or a newer enough step
+            self._raise_write_error()
+
+    def _lag(self):
+        """Steps between a snapshot and the step its write must be published by."""
+        most = max(1, self.save_freq // 2)
+        if self._write_seconds is None or not self._step_seconds:
+            return most  # no write measured yet (the first one is often the slowest)
+        return min(most, math.ceil(2 * self._write_seconds / self._step_seconds) + 1)
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch, self._step = epoch + 1, 0

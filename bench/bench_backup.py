@@ -39,31 +39,46 @@ def _timed_callback_class():
     import tfscale.callbacks
 
     class TimedBackup(tfscale.callbacks.BackupAndRestore):
-        """Records each save, the training thread's time in the callback's step and epoch
-        hooks (snapshots, writes when synchronous, and any wait for a background write),
-        and the most steps ever at risk (after a step, the steps since the newest
-        published backup, +1 for the step about to run)."""
+        """Records the training thread's time spent saving (snapshots, synchronous writes,
+        waits for a background write; with async and a step count, the per-step schedule
+        check too), its time in all of the callback's step and epoch hooks (which adds the
+        per-step SIGTERM check), and the most steps ever at risk (after a step, the steps
+        since the newest published backup, +1 for the step about to run)."""
 
         saves = 0
-        thread_seconds = 0.0
+        save_seconds = 0.0
+        hook_seconds = 0.0
         writer_waits = 0
         most_at_risk = 0
+        _in_schedule = False
 
         def _save(self, *args, **kwargs):
+            start = time.perf_counter()
             super()._save(*args, **kwargs)
             self.saves += 1
+            if not self._in_schedule:  # else counted by _bounded_save
+                self.save_seconds += time.perf_counter() - start
+
+        def _bounded_save(self, done):
+            start = time.perf_counter()
+            self._in_schedule = True
+            try:
+                super()._bounded_save(done)
+            finally:
+                self._in_schedule = False
+            self.save_seconds += time.perf_counter() - start
 
         def on_train_batch_end(self, batch, logs=None):
             start = time.perf_counter()
             super().on_train_batch_end(batch, logs)
-            self.thread_seconds += time.perf_counter() - start
+            self.hook_seconds += time.perf_counter() - start
             self.writer_waits = self._writer.waits
             self.most_at_risk = max(self.most_at_risk, self._global_step + 1 - self._published)
 
         def on_epoch_end(self, epoch, logs=None):
             start = time.perf_counter()
             super().on_epoch_end(epoch, logs)
-            self.thread_seconds += time.perf_counter() - start
+            self.hook_seconds += time.perf_counter() - start
 
     return TimedBackup
 
@@ -153,7 +168,7 @@ def _fit_once(kind, save_freq, steps_per_epoch, workdir, async_save=False, *, tr
     if trace_memory:
         peak_extra = tracemalloc.get_traced_memory()[1] - base
         tracemalloc.stop()
-    timed = callbacks[0] if callbacks and hasattr(callbacks[0], "thread_seconds") else None
+    timed = callbacks[0] if callbacks and hasattr(callbacks[0], "hook_seconds") else None
     tf_saves = getattr(callbacks[0], "save_seconds", ()) if callbacks and not timed else ()
     size = 0
     if callbacks:
@@ -164,7 +179,8 @@ def _fit_once(kind, save_freq, steps_per_epoch, workdir, async_save=False, *, tr
         "params": model.count_params(),
         "seconds": total,
         "saves": timed.saves if timed else len(tf_saves),
-        "thread_seconds": timed.thread_seconds if timed else sum(tf_saves),
+        "save_seconds": timed.save_seconds if timed else sum(tf_saves),
+        "hook_seconds": timed.hook_seconds if timed else sum(tf_saves),
         "most_at_risk": timed.most_at_risk if timed else None,
         "disk_bytes": size,
         "waits": timed.writer_waits if timed else 0,
@@ -208,32 +224,33 @@ def _save_costs(steps_per_epoch, repeat, only=None):
     )
     print(
         f"{'callback, save_freq':>20} {'fit s':>7} {'step ms':>8} {'saves':>5} {'ms/save':>8} "
-        f"{'waits':>5} {'at risk':>7} {'MB/backup':>9} "
-        f"{'share':>7} {'vs no callback':>14}"
+        f"{'waits':>5} {'at risk':>7} {'MB/backup':>9} {'share':>7} {'hooks':>6} {'vs no callback':>14}"
     )
     for label, r in rows.items():
         steps = 2 * steps_per_epoch
-        per_save = 1000 * r["thread_seconds"] / r["saves"] if r["saves"] else 0.0
-        share = r["thread_seconds"] / r["seconds"]
+        per_save = 1000 * r["save_seconds"] / r["saves"] if r["saves"] else 0.0
+        share = r["save_seconds"] / r["seconds"]
         mb = r["disk_bytes"] / 2**20
         r.update(
             step_ms=1000 * r["seconds"] / steps,
             ms_per_save=per_save,
             share_of_fit=share,
+            hooks_share_of_fit=r["hook_seconds"] / r["seconds"],
             overhead=r["seconds"] / base - 1,
         )
         risk = "-" if r["most_at_risk"] is None else str(r["most_at_risk"])
         print(
             f"{label:>20} {r['seconds']:>7.2f} {r['step_ms']:>8.2f} {r['saves']:>5} {per_save:>8.2f} "
-            f"{r['waits']:>5} {risk:>7} {mb:>9.2f} "
-            f"{100 * share:>6.1f}% {100 * r['overhead']:>+13.1f}%"
+            f"{r['waits']:>5} {risk:>7} {mb:>9.2f} {100 * share:>6.1f}% "
+            f"{100 * r['hooks_share_of_fit']:>5.1f}% {100 * r['overhead']:>+13.1f}%"
         )
     for label, error in failures.items():
         print(f"{label:>20} failed: {error}")
     print(
-        "ms/save: the training thread's time in the callback (snapshots, synchronous writes, waits for "
-        "a background write) per save; share: of fit time; at risk: most steps a kill could have lost; "
-        "vs no callback: whole fit"
+        "ms/save: the training thread's time saving (snapshots, synchronous writes, waits for a "
+        "background write, the async schedule) per save; share: that, of fit time; hooks: all of the "
+        "callback's step and epoch hooks (+ the per-step SIGTERM check), of fit time; at risk: most "
+        "steps a kill could have lost; vs no callback: whole fit"
     )
     return {**rows, **{label: {"error": error} for label, error in failures.items()}}
 

@@ -12,8 +12,9 @@ to `bench/results/chaos_backup[_workers2][_stock].json`.
     python bench/chaos_backup.py --trials 20 --sync     # async_save=False
 
 With `async_save` (the default here) every 4th trial is killed on purpose while a
-background write is in flight: its writes are slowed by `--slow_write` seconds and the
-writer's process SIGKILLs itself at the first step end (from a random step on) at which
+background write is in flight: its writes are slowed by `--slow_write` seconds (and its
+steps by `--slow_step`, so that a write takes fewer than `save_freq` steps and overlaps
+them) and the writer's process SIGKILLs itself at the first step end (from a random step on) at which
 a write is in flight, so the backup being written is lost. Every trial must lose at most
 `save_freq` steps, sync or async (async snapshots early enough for that); the last line
 gives how many lost more and the most lost.
@@ -104,14 +105,15 @@ def _first_error(tasks):
     return "no error line in the logs"
 
 
-def _trial(run, base, kill_step, kill_task, reference, *, slow_write=0.0):
+def _trial(run, base, kill_step, kill_task, reference, *, slow_write=0.0, slow_step=0.0):
     if slow_write:  # the writer kills itself at the first step end >= kill_step with a write in flight
         fail = {"in_flight_after": kill_step}
     else:
         fail = {"step": kill_step, "mode": "sigkill"}
     if kill_task is not None:
         fail["task"] = kill_task
-    killed = run({**base, "fail": fail, **({"slow_write": slow_write} if slow_write else {})})
+    slow = {"slow_write": slow_write, "slow_step": slow_step} if slow_write else {}
+    killed = run({**base, "fail": fail, **slow})
     last = max(t["last_step"] for t in killed)
     resumed = run(base)
     row = {"kill_step": kill_step, "killed_codes": [t["code"] for t in killed], "last_finished_step": last}
@@ -144,7 +146,14 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync", action="store_true", help="async_save=False")
     parser.add_argument(
-        "--slow_write", type=float, default=1.0, help="seconds added to in-flight trials' writes"
+        "--slow_write", type=float, default=0.15, help="seconds added to in-flight trials' writes"
+    )
+    parser.add_argument(
+        "--slow_step",
+        type=float,
+        default=0.05,
+        help="seconds added to in-flight trials' steps (a write overlaps steps only if it takes "
+        "fewer than save_freq of them; else each step waits for it)",
     )
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -177,6 +186,7 @@ def main(argv=None):
             task,
             reference,
             slow_write=slow,
+            slow_step=args.slow_step,
         )
         row.update(trial=i, killed_task=task, kill_in_flight=bool(slow))
         rows.append(row)

@@ -80,10 +80,12 @@ def _strategy(name):
     return tfscale.strategies.get(name)
 
 
-def slow_backup_class(seconds, log=None):
+def slow_backup_class(seconds, log=None, step_seconds=0.0):
     """`BackupAndRestore` whose store takes `seconds` longer per write (a real sleep in the
     real write), so that kills and steps land while a background write is in flight.
-    `log`, if given, gets `(step, thread name)` per write."""
+    `log`, if given, gets `(step, thread name)` per write. `step_seconds` makes each
+    training step that much longer (a sleep as it starts): `async_save` overlaps a write
+    with steps only when it takes fewer steps than `save_freq`."""
     import threading
     import time
 
@@ -102,22 +104,31 @@ def slow_backup_class(seconds, log=None):
             super().__init__(*args, **kwargs)
             self._store = SlowStore(self.backup_dir, self.max_to_keep)
 
+        def on_train_batch_begin(self, batch, logs=None):
+            super().on_train_batch_begin(batch, logs)
+            time.sleep(step_seconds)
+
     return SlowBackup
 
 
-def _kill_mid_write_class(base, after_step):
-    """`base` (a `BackupAndRestore` class) whose writer SIGKILLs its own process at the first
-    step end after `after_step` at which a background write is in flight: a kill that loses
-    the backup being written, on purpose."""
+def kill_mid_write_class(base, after_step, signum=None):
+    """`base` (a `BackupAndRestore` class) whose writer sends its own process `signum`
+    (default SIGKILL) at the first step end from `after_step` on at which a background
+    write is in flight: a kill that loses the backup being written, on purpose."""
     import signal
 
     import tfscale.callbacks
 
     class KillMidWrite(base or tfscale.callbacks.BackupAndRestore):
+        fired = False
+
         def on_train_batch_end(self, batch, logs=None):
             super().on_train_batch_end(batch, logs)
-            if self._global_step >= after_step and self._role.writer and self._writer.busy():
-                os.kill(os.getpid(), signal.SIGKILL)
+            if self.fired or self._global_step < after_step or not self._role.writer:
+                return
+            if self._writer.busy():
+                self.fired = True
+                os.kill(os.getpid(), signum or signal.SIGKILL)
 
     return KillMidWrite
 
@@ -158,6 +169,7 @@ def train(
     async_save=None,
     callback_class=None,
     slow_write=0.0,
+    slow_step=0.0,
 ):
     """Trains once (resuming from `backup_dir` if it holds a backup); returns a result dict."""
     import time
@@ -174,10 +186,10 @@ def train(
             backup_dir, save_freq=save_freq, delete_checkpoint=delete_checkpoint
         )
     else:
-        if slow_write and callback_class is None:
-            callback_class = slow_backup_class(slow_write)
+        if (slow_write or slow_step) and callback_class is None:
+            callback_class = slow_backup_class(slow_write, step_seconds=slow_step)
         if fail and "in_flight_after" in fail:
-            callback_class = _kill_mid_write_class(callback_class, fail["in_flight_after"])
+            callback_class = kill_mid_write_class(callback_class, fail["in_flight_after"])
             fail = None
         backup = (callback_class or tfscale.callbacks.BackupAndRestore)(
             backup_dir,

@@ -6,7 +6,6 @@ steps after a backup run while it is in flight.
 
 import os
 import re
-import time
 
 import _backup_workers as workers
 import numpy as np
@@ -39,29 +38,42 @@ def _record_each_step(backup_dir):
     return Record()
 
 
-def test_writes_off_the_training_thread_from_a_copy_and_never_more_than_save_freq_steps_at_risk(tmp_path):
+@pytest.mark.parametrize(
+    ("write_seconds", "step_seconds", "save_freq"),
+    [
+        (0.03, 0.01, 10),  # a write takes ~3 steps of 10: it overlaps them
+        (0.05, 0.0, 5),  # a write takes more than 5 steps: each backup waits for its write
+    ],
+    ids=["overlapping", "slower-than-save_freq"],
+)
+def test_writes_off_the_training_thread_from_a_copy_and_never_more_than_save_freq_steps_at_risk(
+    tmp_path, write_seconds, step_seconds, save_freq
+):
     import tfscale.strategies
 
     writes = []
     model = workers.build_model(tfscale.strategies.get("one_device"))
-    backup = workers.slow_backup_class(0.05, writes)(
-        str(tmp_path / "b"), save_freq=5, max_to_keep=100, delete_checkpoint=False, async_save=True
+    backup = workers.slow_backup_class(write_seconds, writes, step_seconds)(
+        str(tmp_path / "b"), save_freq=save_freq, max_to_keep=100, delete_checkpoint=False, async_save=True
     )
     record = _record_each_step(backup.backup_dir)
-    start = time.perf_counter()
     model.fit(**workers.make_data("array", 8), epochs=3, callbacks=[backup, record], verbose=0)
-    assert time.perf_counter() - start > 9 * 0.05  # fit returned only after the last write
     # After every step, a kill before the next one ends loses at most save_freq steps: the
-    # newest published backup is never more than 5 steps behind the step about to run.
-    # (Backups every 5 steps would leave 7 at risk here: each write takes several steps.)
-    at_risk = {step + 1 - published for step, published in record.published.items()}
-    assert max(at_risk) <= 5 and sorted(record.published) == list(range(1, TOTAL_STEPS + 1))
+    # newest published backup is never more than save_freq steps behind the step about to
+    # run (snapshots every save_freq steps would leave up to save_freq - 1 + the steps a
+    # write takes at risk).
+    at_risk = {step: step + 1 - published for step, published in record.published.items()}
+    assert max(at_risk.values()) <= save_freq and sorted(at_risk) == list(range(1, TOTAL_STEPS + 1))
     steps = [s for s, _ in writes]
     assert all(name == "tfscale-backup-writer" for _, name in writes)
-    assert steps == sorted(set(steps)) and steps[-1] >= TOTAL_STEPS - 5
-    assert backup._writer.waits > 0  # 5 steps take less than a 50 ms write: the step waited
+    assert steps == sorted(set(steps)) and steps[0] == save_freq - save_freq // 2  # the first one early
+    if step_seconds:
+        # Writes ran while steps ran: after some snapshot's next step, it was still unpublished.
+        assert any(record.published[s + 1] < s for s in steps if s < TOTAL_STEPS)
+    else:
+        assert backup._writer.waits > 0  # 5 steps take less than a 50 ms write: the step waited
     store = _backup_store.BackupStore(backup.backup_dir, 100)
-    assert store.published() == [store.name(s) for s in reversed(steps)]
+    assert store.published() == [store.name(s) for s in reversed(steps)]  # fit waited for the last
     for step in steps:
         # The steps that ran during the write did not change what it wrote.
         arrays = store.load(store.name(step)).arrays
@@ -95,7 +107,7 @@ def test_fit_that_raises_mid_write_publishes_it_and_next_fit_resumes_from_it(tmp
     backup_dir = str(tmp_path / "b")
     writes = []
 
-    class RaiseMidWrite(workers.slow_backup_class(0.5, writes)):
+    class RaiseMidWrite(workers.slow_backup_class(0.1, writes, step_seconds=0.03)):
         def on_train_batch_end(self, batch, logs=None):
             super().on_train_batch_end(batch, logs)
             if self._global_step >= 8 and self._writer.busy():
@@ -115,23 +127,23 @@ def test_fit_that_raises_mid_write_publishes_it_and_next_fit_resumes_from_it(tmp
 
 
 def test_sigterm_backup_is_written_before_exit_even_with_a_write_in_flight(tmp_path, reference):
+    import signal
+
     backup_dir = str(tmp_path / "b")
     writes = []
+    slow = workers.slow_backup_class(0.1, writes, step_seconds=0.03)
     with pytest.raises(SystemExit) as exited:
-        # SIGTERM noticed after step 10, while the backup of step 9 is written (0.3 s, in the
-        # background: every write here takes longer than save_freq // 2 = 2 steps, so one is
-        # snapshotted every 3 steps); saved synchronously after 11.
+        # SIGTERM at the first step end from step 8 on with a write in flight; the backup of
+        # the next step is written synchronously, after the one in flight is published.
         workers.train(
-            backup_dir,
-            fail={"step": 9, "mode": "sigterm"},
-            callback_class=workers.slow_backup_class(0.3, writes),
-            async_save=True,
+            backup_dir, callback_class=workers.kill_mid_write_class(slow, 8, signal.SIGTERM), async_save=True
         )
     assert exited.value.code == tfscale.callbacks.RESTART_EXIT_CODE
-    assert writes[-2:] == [(9, "tfscale-backup-writer"), (11, "MainThread")]
-    assert sorted(os.listdir(backup_dir)) == ["ckpt-000000000011"]  # published, and 9 pruned
+    (in_flight, thread), (last, last_thread) = writes[-2:]
+    assert thread == "tfscale-backup-writer" and last_thread == "MainThread" and in_flight < last
+    assert sorted(os.listdir(backup_dir)) == [f"ckpt-{last:012d}"]  # published, the older one pruned
     resumed = workers.train(backup_dir, async_save=True)
-    assert resumed["steps_run"] == TOTAL_STEPS - 11
+    assert resumed["steps_run"] == TOTAL_STEPS - last
     assert max_diff(resumed, reference()) <= 1e-6
 
 

@@ -322,7 +322,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             local, other = _group_by_device(variables)
             values = [variables[i].value for _, indices in local for i in indices]
             self._read_fn = _quiet_tracing(tf.function(lambda: [tf.identity(v) for v in values]))
-            self._read_fn.get_concrete_function()  # traced now, not in the first backup's step
+            # Traced and run once now, not in the first backup's step: the first call of a
+            # traced function also instantiates it (~60 ms for a 280k-parameter MLP).
+            self._read_fn()
             self._layout = (
                 local,
                 [
@@ -606,10 +608,15 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _lag(self):
         """Steps between a snapshot and the step its write must be published by."""
-        most = max(1, self.save_freq // 2)
+        most = self.save_freq // 2
         if self._write_seconds is None or not self._step_seconds:
             return most  # no write measured yet (the first one is often the slowest)
-        return min(most, math.ceil(2 * self._write_seconds / self._step_seconds) + 1)
+        steps = math.ceil(self._write_seconds / self._step_seconds)  # steps one write takes
+        if steps >= self.save_freq:
+            # It cannot overlap enough to pay for the extra backups an early snapshot
+            # makes: snapshot every save_freq steps and wait for each write at once.
+            return 0
+        return min(most, 2 * steps + 1)
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch, self._step = epoch + 1, 0

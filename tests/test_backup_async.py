@@ -156,3 +156,19 @@ def test_backup_of_the_synchronous_writer_resumes_exactly_with_async(tmp_path, r
     resumed = workers.train(backup_dir, async_save=True)
     assert resumed["restored"]["global_step"] == 20
     assert max_diff(resumed, reference()) <= 1e-6
+
+
+@pytest.mark.parametrize(("dataset", "steps_per_execution"), [("array", 2), ("tfdata_reshuffle", 1)])
+def test_early_snapshots_resume_mid_epoch_exactly(tmp_path, reference, dataset, steps_per_execution):
+    # Early snapshots land mid-epoch, at steps that are not multiples of save_freq, under
+    # steps_per_execution and with an input that reshuffles each epoch: the resume is exact.
+    backup_dir = str(tmp_path / "b")
+    options = {"dataset": dataset, "steps_per_execution": steps_per_execution, "async_save": True}
+    slow = workers.slow_backup_class(0.03, step_seconds=0.01)
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        workers.train(backup_dir, fail={"step": 34, "mode": "raise"}, callback_class=slow, **options)
+    resumed = workers.train(backup_dir, **options)
+    restored = resumed["restored"]["global_step"]
+    assert 34 - 5 <= restored <= 34 and restored % steps_per_execution == 0
+    assert resumed["steps_run"] == TOTAL_STEPS - restored
+    assert max_diff(resumed, reference(dataset, steps_per_execution)) <= 1e-6

@@ -274,8 +274,6 @@ def _lose_worker_2_and_get_it_back(marker, tmp_path, train_command, launcher_fla
     finally:
         output = _finish(proc, seen, timeout=600)
         (tmp_path / "launcher.log").write_text(output)
-        with open(f"/tmp/h7/{os.path.basename(str(tmp_path))}.log", "w") as f:
-            f.write(output)
     assert proc.returncode == 0, output[-3000:]
     assert "elastic: tasks stopped for the resize (worker:0 exit code 75, worker:1 exit code 75)" in output
     return output

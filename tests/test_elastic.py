@@ -256,7 +256,9 @@ def _lose_worker_2_and_get_it_back(marker, tmp_path, train_command, launcher_fla
     args = ["--num_workers", "2:3", "--host_discovery", f"cat {usable}", "--discovery_interval", "1",
             "--max_restarts", "1", "--restart_backoff", "0.5", "--grace_period", "5", *launcher_flags, "--",
             *train_command, "--backup_freq=4", f"--backup_dir={tmp_path / 'backup'}"]  # fmt: skip
-    env = {"PYTHONPATH": HERE, "TFSCALE_TEST_STEP_SLEEP": "0.1"}
+    step_sleep = tmp_path / "step_sleep"
+    step_sleep.write_text("0.1")
+    env = {"PYTHONPATH": HERE, "TFSCALE_TEST_STEP_SLEEP": f"@{step_sleep}"}
     proc = start_launcher(args, marker, env=env, merge_stderr=True)
     seen = []
     try:
@@ -268,6 +270,7 @@ def _lose_worker_2_and_get_it_back(marker, tmp_path, train_command, launcher_fla
         read_until(proc, "[worker:0] tfscale: scheduled backup", seen)  # trained on 2 workers
         usable.write_text("localhost:3\n")
         read_until(proc, "elastic: running from 2 to 3 workers", seen)
+        step_sleep.write_text("0")  # nothing is left to do while it trains: ~100 steps, 10 s less
     except BaseException:
         proc.terminate()  # forwarded to the tasks: nothing is left behind
         raise

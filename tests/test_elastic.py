@@ -208,15 +208,6 @@ def test_discovery_lines_and_host_cooldown():
 EPOCHS, STEPS, BATCH = 4, 1536 // 48, 48  # digits: 1536 training examples, 32 global batches an epoch
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from tfscale.datasets import digits
-
-    path = str(tmp_path_factory.mktemp("tfds"))
-    digits.prepare(path)
-    return path
-
-
 def _train(data_dir, model_dir, *extra):
     flags = ["--strategy=multi_worker", "--sharding=data", f"--data_dir={data_dir}", f"--epochs={EPOCHS}"]
     flags += ["--seed=0", "--model=_elastic_model:slow_mlp", f"--model_dir={model_dir}"]

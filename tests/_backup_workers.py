@@ -13,7 +13,7 @@ import os
 import pickle
 import sys
 
-__all__ = ["build_model", "cluster_train", "main", "make_data", "step_counter", "train"]
+__all__ = ["build_model", "cluster_train", "flip_byte", "main", "make_data", "step_counter", "train"]
 
 NUM_SAMPLES, FEATURES = 128, 8
 
@@ -38,6 +38,15 @@ def make_data(dataset, batch_size, samples=NUM_SAMPLES):
         )
         return {"x": ds.batch(batch_size), "shuffle": False}
     raise ValueError(f"unknown dataset {dataset!r}")
+
+
+def flip_byte(path):
+    """Corrupts a file in place: inverts its middle byte (its size stays the same)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def _counter_class():

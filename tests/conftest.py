@@ -20,6 +20,19 @@ NUM_TEST_CPUS = 4
 tfscale.strategies.split_cpu(NUM_TEST_CPUS)
 
 
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """The bundled digits dataset, prepared once for every test that reads it (`data_dir=`).
+
+    A module that needs another dataset there defines its own `data_dir`.
+    """
+    from tfscale.datasets import digits
+
+    path = str(tmp_path_factory.mktemp("tfds"))
+    digits.prepare(path)
+    return path
+
+
 # Without this, pytest prints its summary and then sits silent for 1-3 minutes: tests that
 # interrupt `fit` (injected faults, SIGTERM) leave tf.data iterators alive in reference
 # cycles (a caught exception's traceback keeps `fit`'s frames), and destroying such an

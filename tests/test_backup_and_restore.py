@@ -18,6 +18,7 @@ from unittest import mock
 import _backup_workers as workers
 import numpy as np
 import pytest
+from _backup_workers import flip_byte
 
 import tfscale.callbacks
 from tfscale.callbacks import _backup_store, _backup_writer
@@ -139,19 +140,11 @@ def _truncate(path):
         f.truncate(os.path.getsize(path) // 2)
 
 
-def _flip_byte(path):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 @pytest.mark.parametrize(
     "damage, target",
     [
         (_truncate, STATE),
-        (_flip_byte, STATE),
+        (flip_byte, STATE),
         (_truncate, "manifest.json"),
         (os.remove, "manifest.json"),
     ],

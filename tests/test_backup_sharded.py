@@ -15,6 +15,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+from _backup_workers import flip_byte
 
 import tfscale.callbacks
 import tfscale.strategies
@@ -105,15 +106,7 @@ def test_pipelined_model_is_backed_up_one_shard_per_device_and_resumes_exactly(
     _assert_equal(_state(resumed), reference)
 
 
-def _flip_byte(path):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
-@pytest.mark.parametrize("damage", [_flip_byte, os.remove], ids=["corrupted", "missing"])
+@pytest.mark.parametrize("damage", [flip_byte, os.remove], ids=["corrupted", "missing"])
 def test_damaged_shard_falls_back_to_the_previous_backup(tmp_path, reference, caplog, damage):
     backup_dir = _interrupted(tmp_path)
     damage(str(backup_dir / "ckpt-000000000008" / "shard-00001.npz"))
@@ -128,7 +121,7 @@ def test_damaged_second_shard_assigns_nothing_from_the_first(tmp_path):
     backup_dir = tmp_path / "b"
     with pytest.raises(tfscale.callbacks.InjectedFault):
         _train(backup_dir, fail=True, max_to_keep=1)
-    _flip_byte(str(backup_dir / "ckpt-000000000008" / "shard-00001.npz"))
+    flip_byte(str(backup_dir / "ckpt-000000000008" / "shard-00001.npz"))
     model = _built(_pipelined_model())
     before = _state(model)
     backup = tfscale.callbacks.BackupAndRestore(str(backup_dir))

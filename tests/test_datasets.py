@@ -15,13 +15,6 @@ from tfscale.launch import run_local_cluster
 TRAIN, TEST = digits.TRAIN_EXAMPLES, 1797 - digits.TRAIN_EXAMPLES
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tfds"))
-    digits.prepare(path)
-    return path
-
-
 def _ids(ds):
     return [np.asarray(batch["id"]) for batch in ds]
 

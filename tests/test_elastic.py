@@ -208,15 +208,6 @@ def test_discovery_lines_and_host_cooldown():
 EPOCHS, STEPS, BATCH = 4, 1536 // 48, 48  # digits: 1536 training examples, 32 global batches an epoch
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from tfscale.datasets import digits
-
-    path = str(tmp_path_factory.mktemp("tfds"))
-    digits.prepare(path)
-    return path
-
-
 def _train(data_dir, model_dir, *extra):
     flags = ["--strategy=multi_worker", "--sharding=data", f"--data_dir={data_dir}", f"--epochs={EPOCHS}"]
     flags += ["--seed=0", "--model=_elastic_model:slow_mlp", f"--model_dir={model_dir}"]
@@ -256,7 +247,9 @@ def _lose_worker_2_and_get_it_back(marker, tmp_path, train_command, launcher_fla
     args = ["--num_workers", "2:3", "--host_discovery", f"cat {usable}", "--discovery_interval", "1",
             "--max_restarts", "1", "--restart_backoff", "0.5", "--grace_period", "5", *launcher_flags, "--",
             *train_command, "--backup_freq=4", f"--backup_dir={tmp_path / 'backup'}"]  # fmt: skip
-    env = {"PYTHONPATH": HERE, "TFSCALE_TEST_STEP_SLEEP": "0.1"}
+    step_sleep = tmp_path / "step_sleep"
+    step_sleep.write_text("0.1")
+    env = {"PYTHONPATH": HERE, "TFSCALE_TEST_STEP_SLEEP": f"@{step_sleep}"}
     proc = start_launcher(args, marker, env=env, merge_stderr=True)
     seen = []
     try:
@@ -268,14 +261,13 @@ def _lose_worker_2_and_get_it_back(marker, tmp_path, train_command, launcher_fla
         read_until(proc, "[worker:0] tfscale: scheduled backup", seen)  # trained on 2 workers
         usable.write_text("localhost:3\n")
         read_until(proc, "elastic: running from 2 to 3 workers", seen)
+        step_sleep.write_text("0")  # nothing is left to do while it trains: ~100 steps, 10 s less
     except BaseException:
         proc.terminate()  # forwarded to the tasks: nothing is left behind
         raise
     finally:
         output = _finish(proc, seen, timeout=600)
         (tmp_path / "launcher.log").write_text(output)
-        with open(f"/tmp/h7/{os.path.basename(str(tmp_path))}.log", "w") as f:
-            f.write(output)
     assert proc.returncode == 0, output[-3000:]
     assert "elastic: tasks stopped for the resize (worker:0 exit code 75, worker:1 exit code 75)" in output
     return output

@@ -154,9 +154,19 @@ SNIPPETS = [
             ("bin/ssh", _SSH),
             ("bin/srun", _SRUN),
         ),
+        # The last line trains TensorFlow's tutorial on 2 workers (25 s of CI): that exact command,
+        # main.py unchanged under `tfscale-launch --num_workers 2 --keras_compat`, is run and
+        # checked further (every worker's weights, the fixes applied, 3 epochs) by
+        # tests/test_launch_training.py::test_tutorial_main_runs_unchanged_on_2_workers_with_keras_compat.
+        # The fill fails here if the README line changes, so the two stay the same command.
+        fill=(
+            (
+                "cd examples/multi_worker_tutorial && "
+                "tfscale-launch --num_workers 2 --keras_compat -- python main.py",
+                "test -f examples/multi_worker_tutorial/main.py  # trained in test_launch_training.py",
+            ),
+        ),
         env=_SLURM_ENV,
-        marks=(pytest.mark.slow,),  # the last line trains TensorFlow's tutorial on 2 workers
-        timeout=600,
     ),
     Snippet("worker:1 failed (signal SIGKILL) in attempt 1", run="skip", why="example output"),
     Snippet(

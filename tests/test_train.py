@@ -15,19 +15,11 @@ import tensorflow as tf
 
 from tfscale import models
 from tfscale.callbacks import LearningRateWarmup, StepTimer
-from tfscale.datasets import digits
 from tfscale.launch import run_local_cluster
 from tfscale.train import RESULT_PREFIX, TrainConfig, train
 
 QUICK = ("--epochs=3", "--global_batch_size=64", "--seed=0")
 CHILD_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tfds"))
-    digits.prepare(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import zipfile
 import numpy as np
 import pytest
 
-from tfscale.datasets import digits
 from tfscale.train import RESULT_PREFIX
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,13 +27,6 @@ FLAGFILES = os.path.join(REPO, "flagfiles")
 TIMEOUT = 400
 # A one-task cluster: --tf_config names this process's task without starting a multi-worker job.
 ONE_TASK = json.dumps({"cluster": {"worker": ["localhost:2222"]}, "task": {"type": "worker", "index": 0}})
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tfds"))
-    digits.prepare(path)
-    return path
 
 
 def _run(command, data_dir, cwd=None):

@@ -19,20 +19,12 @@ from absl import flags
 
 import tfscale.flags
 from tfscale.callbacks import FailAt, InjectedFault
-from tfscale.datasets import digits
 from tfscale.train import TrainConfig, config_from_flags, run, train
 
 RTOL, ATOL = 1e-5, 1e-5
 # 2 epochs x 5 steps of 32 digits: a backup every 3 steps, the fault after step 7 (mid-epoch 2).
 QUICK = dict(epochs=2, global_batch_size=32, steps_per_epoch=5, verbose=0)
 PIPELINE = dict(num_stages=2, num_microbatches=2, data_parallel=2, schedule="gpipe", cpu_replicas=4)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tfds"))
-    digits.prepare(path)
-    return path
 
 
 @pytest.fixture(scope="module")

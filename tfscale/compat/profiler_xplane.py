@@ -66,11 +66,17 @@ def _stat_value(stat):
     return None
 
 
-def collective_events(path):
-    """Every `CollectiveReduceV2` launch recorded in the trace at `path`."""
+def _space(path):
+    """The XSpace protobuf in the file at `path`."""
     space = _xplane_pb2().XSpace()
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
+    return space
+
+
+def collective_events(path):
+    """Every `CollectiveReduceV2` launch recorded in the trace at `path`."""
+    space = _space(path)
     events = []
     for plane in space.planes:
         for line in plane.lines:
@@ -92,9 +98,7 @@ def collective_events(path):
 
 def trace_events(path):
     """Every event of every thread in the trace at `path`, in the profiler's clock (ns)."""
-    space = _xplane_pb2().XSpace()
-    with open(path, "rb") as f:
-        space.ParseFromString(f.read())
+    space = _space(path)
     events = []
     for plane in space.planes:
         for line in plane.lines:

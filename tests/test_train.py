@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -107,11 +108,19 @@ def test_gradient_compression_flag_trains_within_one_percent_of_uncompressed(one
 @pytest.fixture(scope="module")
 def multi_worker(data_dir, tmp_path_factory):
     """The QUICK flags as a 2-worker cluster, the binary in each process."""
-    model_dir = str(tmp_path_factory.mktemp("multi_worker"))
-    command = [sys.executable, "-m", "tfscale.train", *QUICK, "--strategy=multi_worker"]
-    command += [f"--data_dir={data_dir}", f"--model_dir={model_dir}", "--profile_steps=4:6"]
-    tasks = run_local_cluster(command, 2, env=CHILD_ENV, timeout=300)
-    return [_results(t.log)[0] for t in tasks], model_dir
+    for attempt in (1, 2):
+        model_dir = str(tmp_path_factory.mktemp("multi_worker"))
+        command = [sys.executable, "-m", "tfscale.train", *QUICK, "--strategy=multi_worker"]
+        command += [f"--data_dir={data_dir}", f"--model_dir={model_dir}", "--profile_steps=4:6"]
+        tasks = run_local_cluster(command, 2, env=CHILD_ENV, timeout=300, check=False, failure_grace=10)
+        if all(t.ok for t in tasks):
+            return [_results(t.log)[0] for t in tasks], model_dir
+        # TensorFlow's profiler under MultiWorkerMirroredStrategy crashes a worker now and then
+        # (SIGSEGV / "double free or corruption"; README: CommunicationProfiler). One more
+        # attempt for that crash only, said in the output; anything else fails here.
+        crashed = [t for t in tasks if t.returncode in (-signal.SIGSEGV, -signal.SIGABRT)]
+        assert crashed and attempt == 1, "\n".join(t.log[-3000:] for t in tasks)
+        print(f"multi_worker fixture: {crashed[0].returncode} in a worker (TF profiler crash); retrying once")
 
 
 @pytest.mark.slow

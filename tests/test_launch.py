@@ -39,10 +39,18 @@ def _lines(stdout, prefix):
     return [line[len(prefix) + 3 :] for line in stdout.splitlines() if line.startswith(f"[{prefix}] ")]
 
 
-def test_each_task_gets_its_tf_config_and_nothing_else_changes(marker):
-    run = run_launcher(
-        ["--num_workers", "2", "--chief", "--evaluator", "--", sys.executable, "-c", PRINT_ENV], marker
+def test_each_task_gets_its_tf_config_and_nothing_else_changes(marker, tmp_path):
+    # The evaluator is a sidecar, stopped once chief and workers are done: every task waits
+    # (bounded) until all four have printed, so a slow evaluator start cannot lose its line.
+    printed = tmp_path / "printed"
+    printed.mkdir()
+    wait_for_all = (
+        f"; import time; open(os.path.join({str(printed)!r}, str(os.getpid())), 'w').close()"
+        "; deadline = time.monotonic() + 60"
+        f"\nwhile len(os.listdir({str(printed)!r})) < 4 and time.monotonic() < deadline: time.sleep(0.01)"
     )
+    command = [sys.executable, "-c", PRINT_ENV + wait_for_all]
+    run = run_launcher(["--num_workers", "2", "--chief", "--evaluator", "--", *command], marker)
     assert run.returncode == 0, run.stderr
     launcher_env = dict(
         os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TFSCALE_LAUNCH_TEST_MARKER=marker
@@ -78,7 +86,13 @@ def test_output_is_prefixed_line_by_line(marker):
 def test_log_dir_gets_one_file_per_task_appended_on_restart(marker, tmp_path):
     log_dir = tmp_path / "logs"
     count = tmp_path / "count"
-    script = f'echo "task $TFSCALE_N"; echo x >> {count}; [ $(wc -l < {count}) -gt 2 ]'
+    # Both tasks print before either fails (a failing peer stops the other at once), and the
+    # first attempt fails, the second succeeds, whatever the order the tasks run in.
+    script = (
+        f'echo "task $TFSCALE_N"; echo x >> {count}; i=0; '
+        f"while [ $(wc -l < {count}) -lt 2 ] && [ $i -lt 3000 ]; do sleep 0.02; i=$((i+1)); done; "
+        '[ "$TFSCALE_RESTART_COUNT" != 0 ]'
+    )
     run = run_launcher(
         ["--num_workers", "2", "--max_restarts", "1", "--restart_backoff", "0", "--log_dir", str(log_dir),
          "--", "sh", "-c", script],

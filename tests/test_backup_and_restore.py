@@ -13,6 +13,7 @@ import pickle
 import re
 import subprocess
 import sys
+import time
 from unittest import mock
 
 import _backup_workers as workers
@@ -634,12 +635,20 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
-def _fill_disk_after(step, directory):
+def _fill_disk_after(step, directory, backup_dir=None):
     import keras
 
     class FillDisk(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if int(self.model.optimizer.iterations.numpy()) == step:
+                # With background writes: wait (bounded) until no write is in flight and the
+                # one before is pruned, else that write or prune could free the space again.
+                deadline = time.monotonic() + 60
+                while backup_dir is not None and time.monotonic() < deadline:
+                    names = os.listdir(backup_dir) if os.path.isdir(backup_dir) else []
+                    if len(names) == 1 and names[0].startswith("ckpt-"):
+                        break
+                    time.sleep(0.01)
                 with open(directory / "filler", "wb", buffering=0) as f:
                     try:
                         while True:

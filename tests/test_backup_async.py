@@ -85,7 +85,7 @@ def test_background_write_error_raises_at_next_step_and_keeps_last_backup(small_
     backup_dir = small_tmpfs / "b"
     steps = workers.step_counter()
     with pytest.raises(tfscale.callbacks.BackupWriteError) as raised:
-        _fit(backup_dir, [_fill_disk_after(7, small_tmpfs), steps], async_save=True)
+        _fit(backup_dir, [_fill_disk_after(7, small_tmpfs, backup_dir), steps], async_save=True)
     message = str(raised.value)
     assert len(message.splitlines()) == 1
     failed = re.search(rf"step (\d+) to '{backup_dir}/\.tmp-ckpt-0+(\d+)-.*No space left on device", message)

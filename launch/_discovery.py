@@ -189,18 +189,20 @@ def _kill_group(pgid):
         pass
 
 
-class _Fixed:
-    """The answer of a `Discovery` without a command: over at once."""
+class _Over:
+    """A call over at once: the fixed hosts of a `Discovery` without a command, or a failed start."""
 
-    def __init__(self, hosts):
-        self._hosts = hosts
+    def __init__(self, result):
+        self._result = result
 
     def poll(self, wait=0.0):
         del wait
         return True
 
     def result(self):
-        return list(self._hosts)
+        if isinstance(self._result, LaunchError):
+            raise self._result
+        return list(self._result)
 
     def cancel(self, reason="stopped"):
         del reason
@@ -227,13 +229,16 @@ class Discovery:
     def start(self, deadline=None):
         """Starts a call, over after `--discovery_timeout` or at `deadline` (monotonic; at least 1 s)."""
         if self._command is None:
-            return _Fixed(self._hosts)
+            return _Over(self._hosts)
         now = time.monotonic()
         end, expired = now + self._timeout, f"still running after {self._timeout:g}s"
         if deadline is not None and deadline < end:
             end = max(deadline, now + min(self._timeout, _MIN_CALL_SECONDS))
             expired = "did not answer before --elastic_timeout ran out"
-        return DiscoveryCall(self._command, end, expired)
+        try:
+            return DiscoveryCall(self._command, end, expired)
+        except OSError as e:  # no process (EAGAIN, EMFILE, ...): a failed call, not a traceback
+            return _Over(LaunchError(f"{_SOURCE} could not start: {e.strerror or e}"))
 
     def answer(self, call):
         """The usable `[(host, slots)]` of a call that is over (empty when it failed: reported once)."""
@@ -245,6 +250,8 @@ class Discovery:
             self._last_error = str(e)
             return []
         self._last_error = None
+        if self._command is None:
+            return found  # `--hosts`: as written
         merged, repeated = merge_duplicates(found)
         if repeated and repeated != self._last_repeated:
             names = ", ".join(repeated[:5]) + (f" and {len(repeated) - 5} more" if len(repeated) > 5 else "")

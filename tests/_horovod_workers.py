@@ -259,7 +259,8 @@ def resume(out, backup_dir):
         hvd, shard(x, rank, size), shard(y, rank, size), seed=100 + rank, callbacks=[backup, KillMidRun()]
     )
     results = {"fit": weights(m)}
-    info = {"attempt": attempt, "restored_from": str(backup.restored_from)}
+    restored = backup.restored_from
+    info = {"attempt": attempt, "restored_step": None if restored is None else restored["global_step"]}
     if rank == 0:
         results["fit_ref"] = weights(fit_reference(hvd, x, y, seed=100, batch=BATCH * size)[0])
     save(out, rank, results, info)

@@ -103,7 +103,7 @@ def fit_reference(hvd, x, y, seed, batch, epochs=EPOCHS):
     return m, history.history
 
 
-def custom_loop(hvd, x, y, seed):
+def custom_loop(hvd, x, y, seed, eager=False):
     import keras
     import tensorflow as tf
 
@@ -111,7 +111,6 @@ def custom_loop(hvd, x, y, seed):
     opt = keras.optimizers.Adam(0.01)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
 
-    @tf.function
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(m(xb) - yb))
@@ -120,6 +119,8 @@ def custom_loop(hvd, x, y, seed):
         opt.apply_gradients(zip(grads, m.trainable_variables))
         return loss
 
+    if not eager:
+        step = tf.function(step)
     for i, (xb, yb) in enumerate(ds):
         step(xb, yb)
         if i == 0:
@@ -194,6 +195,17 @@ def mismatches(hvd):
     return found
 
 
+def run_target(value):
+    """For `hvd.run`: each rank's rank, size and the sum of `value * (rank + 1)` over ranks."""
+    import tensorflow as tf
+
+    import tfscale.horovod as hvd
+
+    hvd.init()
+    total = hvd.allreduce(tf.constant(value * (hvd.rank() + 1)), op=hvd.Sum)
+    return hvd.rank(), hvd.size(), float(total)
+
+
 def main(out):
     import tfscale.horovod as hvd
 
@@ -209,6 +221,8 @@ def main(out):
         "identity": [rank, size, hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()],
     }
     results["loop"] = weights(custom_loop(hvd, shard(x, rank, size), shard(y, rank, size), seed=7))
+    eager = custom_loop(hvd, shard(x, rank, size), shard(y, rank, size), seed=7, eager=True)
+    results["loop_eager"] = weights(eager)
     x2, y2 = data(size, steps=2 * STEPS)
     m2, _, _ = fit_horovod(hvd, shard(x2, rank, size), shard(y2, rank, size), seed=100 + rank, passes=2)
     results["passes"] = weights(m2)
@@ -219,7 +233,9 @@ def main(out):
         ref, ref_history = fit_reference(hvd, x, y, seed=100, batch=BATCH * size)
         results["fit_ref"] = weights(ref)
         info["ref_history"] = ref_history
-        results["loop_ref"] = weights(custom_reference(x, y, seed=7, batch=BATCH * size))
+        results["loop_ref"] = results["loop_eager_ref"] = weights(
+            custom_reference(x, y, seed=7, batch=BATCH * size)
+        )
         ref2, _ = fit_reference(hvd, x2, y2, seed=100, batch=2 * BATCH * size, epochs=EPOCHS)
         results["passes_ref"] = weights(ref2)
         info["iterations_ref"] = int(ref2.optimizer.iterations.numpy())

@@ -67,10 +67,11 @@ def _assert_same_on_all_ranks_and_as_reference(ranks, key):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", ["fit", "loop", "passes"])
+@pytest.mark.parametrize("key", ["fit", "loop", "loop_eager", "passes"])
 def test_two_ranks_end_identical_and_equal_one_process_on_the_concatenated_batches(two_ranks, key):
     # fit: DistributedOptimizer + the 4 callbacks, ranks starting from different weights;
-    # loop: DistributedGradientTape in a tf.function + broadcast_variables after step 1;
+    # loop: DistributedGradientTape in a tf.function + broadcast_variables after step 1
+    # (loop_eager: the same loop run eagerly);
     # passes: backward_passes_per_step=2 against one process with twice the batch.
     _assert_same_on_all_ranks_and_as_reference(two_ranks, key)
 
@@ -168,6 +169,35 @@ def test_missing_peer_fails_in_bounded_time_naming_it(tmp_path):
     last = run.stderr.strip().splitlines()[-1]
     assert f"worker:1 (127.0.0.1:{ports[1]}) never started" in last and "cluster_timeout=3 s" in last, last
     assert elapsed < 60
+
+
+@pytest.mark.slow
+def test_hvd_run_returns_each_rank_value():
+    from _horovod_workers import run_target
+
+    import tfscale.horovod as hvd
+
+    assert hvd.run(run_target, args=(1.5,), np=2) == [(0, 2, 4.5), (1, 2, 4.5)]
+
+
+@pytest.mark.slow
+def test_compat_tf_collectives_supported_on_this_tensorflow():
+    # A fresh process: a MultiWorkerMirroredStrategy configures this process's collectives.
+    code = (
+        "import tensorflow as tf\n"
+        "from tfscale.compat import tf_collectives as c\n"
+        "s = tf.distribute.MultiWorkerMirroredStrategy()\n"
+        "assert c.supported(s)\n"
+        "ops = c.Collectives(s)\n"
+        "total, gathered = ops.all_reduce_sum([tf.ones([2])])[0], ops.all_gather(tf.ones([1, 2]))\n"
+        "print(total.numpy().tolist(), gathered.shape)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "[1.0, 1.0] (1, 2)"
 
 
 # Fast tier: the same API at size 1 (no TF_CONFIG), in this process.

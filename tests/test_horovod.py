@@ -240,6 +240,20 @@ def test_size_one_fit_with_distributed_optimizer_equals_plain_keras(hvd):
     assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_size()) == (0, 1, 0, 1, 1)
 
 
+def test_model_saved_with_distributed_optimizer_loads_as_plain_keras(hvd, tmp_path):
+    import keras
+    from _horovod_workers import data, model
+
+    x, y = data(1, steps=1)
+    m = model(3)
+    m.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), "mse")
+    m.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    m.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert type(loaded.optimizer) is keras.optimizers.SGD
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), m.predict(x, verbose=0), atol=ATOL)
+
+
 def test_size_one_collectives_return_their_input(hvd):
     import tensorflow as tf
 

@@ -185,7 +185,14 @@ def DistributedOptimizer(
     )
     passes = _positive_int("backward_passes_per_step", backward_passes_per_step)
     reducer = _Reducer(compression, op, sparse_as_dense, gradient_predivide_factor)
-    cls = type(optimizer.__class__.__name__, (_DistributedMixin, optimizer.__class__), {})
+    base = optimizer.__class__
+    # Saved under the original class's module and name: `load_model` of a `.keras` file
+    # written with it gives the plain Keras optimizer, as it would without Horovod.
+    cls = type(
+        base.__name__,
+        (_DistributedMixin, base),
+        {"__module__": base.__module__, "__qualname__": base.__qualname__},
+    )
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name

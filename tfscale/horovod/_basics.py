@@ -105,7 +105,7 @@ def init(comm=None, process_sets=None, *, cluster_timeout=None):
 
     Raises:
         HorovodError: an unsupported argument or Horovod variable, a task with no rank.
-        tfscale.strategies.StrategyError: the peers did not start in time (names them).
+        StartTimeoutError: the other ranks did not all start in time (names them).
     """
     if comm is not None or process_sets is not None:
         given = "comm" if comm is not None else "process_sets"
@@ -124,15 +124,36 @@ def init(comm=None, process_sets=None, *, cluster_timeout=None):
 def _connect(spec, cluster_timeout):
     from tfscale import strategies
     from tfscale.compat import tf_collectives
+    from tfscale.strategies._peers import DEFAULT_CLUSTER_TIMEOUT, ClusterTimeoutError
 
-    options = {} if cluster_timeout is None else {"cluster_timeout": cluster_timeout}
-    strategy = strategies.get("multi_worker", cluster=spec, **options)
+    timeout = DEFAULT_CLUSTER_TIMEOUT if cluster_timeout is None else cluster_timeout
+    try:
+        strategy = strategies.get("multi_worker", cluster=spec, cluster_timeout=timeout)
+    except ClusterTimeoutError as e:
+        raise _start_timeout_error(spec, timeout, e.missing) from None
     if not tf_collectives.supported(strategy):
         raise HorovodError(
             "This TensorFlow's MultiWorkerMirroredStrategy has no `_cross_device_ops`/`_gather`. "
             "Expected TensorFlow 2.4 to 2.21 (see tfscale/compat/tf_collectives.py)."
         )
     return strategy, tf_collectives.Collectives(strategy)
+
+
+class StartTimeoutError(HorovodError):
+    """Other ranks did not start within the start timeout (a failed run, exit 1)."""
+
+    exit_status = 1
+
+
+def _start_timeout_error(spec, timeout, missing):
+    ranks = [
+        f"rank {spec.with_task(t, int(i)).worker_index} ({t}:{i} at {spec.task_address(t, int(i))})"
+        for t, i in missing
+    ]
+    return StartTimeoutError(
+        f"hvd.init on rank {spec.worker_index} waited {timeout:g} s for {', '.join(ranks)}, which never "
+        f"started. Expected every rank of the job running (raise {_START_TIMEOUT_VARIABLE} for slow starts)."
+    )
 
 
 def shutdown():

@@ -263,6 +263,7 @@ def test_size_one_collectives_return_their_input(hvd):
     x = tf.constant([1.5, 2.5])
     np.testing.assert_array_equal(hvd.allreduce(x), x)
     np.testing.assert_array_equal(hvd.allreduce(x, compression=hvd.Compression.fp16), x)
+    np.testing.assert_array_equal(hvd.allreduce(x, "keras_spelling_name"), x)
     np.testing.assert_array_equal(hvd.allgather(x), x)
     np.testing.assert_array_equal(hvd.broadcast(x, 0), x)
     assert hvd.broadcast_object({"epoch": 3}, 0) == {"epoch": 3}

@@ -229,12 +229,24 @@ def allreduce(
     prescale_factor=1.0,
     postscale_factor=1.0,
     name=None,
+    process_set=None,
+    ignore_name_scope=False,
 ):
     """All-reduces one tensor over every rank (Average by default); see `grouped_allreduce`.
 
     `device_dense` and `device_sparse` are Horovod's placement hints: only "" (the
-    collective runs where TensorFlow's multi-worker collectives run).
+    collective runs where TensorFlow's multi-worker collectives run). `process_set`: only
+    None (every rank). `ignore_name_scope` changes nothing: tfscale's collectives carry no
+    Horovod op names. `horovod.tensorflow.keras`'s spelling `allreduce(value, name)` works
+    too: a string second argument is the name.
     """
+    if isinstance(average, str):  # horovod.tensorflow.keras: allreduce(value, name=None, ...)
+        name, average = average, None
+    if process_set is not None:
+        raise HorovodError(
+            f"Invalid value for argument `process_set`. Received: process_set={process_set!r}. "
+            "Expected None: tfscale.horovod has one process set, every rank."
+        )
     for arg, value in (("device_dense", device_dense), ("device_sparse", device_sparse)):
         if value:
             raise HorovodError(

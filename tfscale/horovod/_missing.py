@@ -37,6 +37,8 @@ MISSING = {
             "DistributedGradientTape with the local variables left out of `sources`"
         ),
         "PartialDistributedOptimizer": "DistributedOptimizer",
+        "broadcast_global_variables": "callbacks.BroadcastGlobalVariablesCallback, or "
+        "hvd.broadcast_variables(model.variables + optimizer.variables, root_rank)",
         "load_model": "keras.models.load_model(...), then hvd.DistributedOptimizer on its optimizer",
         "mpi_ops": "the functions of tfscale.horovod",
         "mpi_threads_supported": "no equivalent: tfscale does not use MPI",

@@ -175,6 +175,20 @@ def test_missing_peer_fails_in_bounded_time_naming_it(tmp_path):
 
 
 @pytest.mark.slow
+def test_init_after_tensorflow_started_is_one_line():
+    marker = new_marker()
+    code = "import tensorflow as tf; tf.constant(1.0) + 1; import tfscale.horovod as hvd; hvd.init()"
+    run = run_launcher(["-np", "2", sys.executable, "-c", code], marker, timeout=300)
+    assert run.returncode == 1
+    # The first rank to fail ends the job; the launcher stops the other one.
+    lines = [line for line in run.stdout.splitlines() if "] tfscale.horovod._errors.HorovodError: " in line]
+    assert lines and all("hvd.init() ran after TensorFlow started" in line for line in lines), run.stdout[
+        -3000:
+    ]
+    assert leftovers(marker) == []
+
+
+@pytest.mark.slow
 def test_hvd_run_returns_each_rank_value():
     from _horovod_workers import run_target
 

@@ -117,8 +117,30 @@ def init(comm=None, process_sets=None, *, cluster_timeout=None):
     spec = ClusterSpec.from_env(allow_unset=True)
     identity = identity_of(spec)
     if identity.size > 1 and _State.strategy is None:
-        _State.strategy, _State.collectives = _connect(spec, _start_timeout(cluster_timeout, os.environ))
+        timeout = _start_timeout(cluster_timeout, os.environ)
+        _pin_local_gpu(identity)
+        try:
+            _State.strategy, _State.collectives = _connect(spec, timeout)
+        except RuntimeError as e:  # TensorFlow: "Collective ops must be configured at program startup"
+            raise HorovodError(
+                f"hvd.init() ran after TensorFlow started ({e}). Expected hvd.init() before any TensorFlow "
+                "op or model: TensorFlow configures its cross-process collectives at startup."
+            ) from None
     _State.identity = identity
+
+
+def _pin_local_gpu(identity):
+    """Each rank on GPU `local_rank` (as Horovod scripts pin themselves), before TensorFlow starts.
+
+    The multi-worker collectives are configured at startup, after which the visible devices
+    cannot change; a rank that saw every GPU of its host would also replicate over all of
+    them. Not exercised on GPUs in this repository's tests (CPU only).
+    """
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus and identity.local_size <= len(gpus):
+        tf.config.set_visible_devices(gpus[identity.local_rank], "GPU")
 
 
 def _connect(spec, cluster_timeout):

@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from tfscale.compat import keras_compile_loss
+from tfscale.compat.keras_mask import get_keras_mask, set_keras_mask
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._loss_split import loss_reduction, slice_weights
 from tfscale.strategies._placement import on_device, place_slots_with_variables
@@ -38,21 +39,38 @@ class SplitSequential(_PlacedSlots, keras.Sequential):
         if self._placement is None:
             return super().call(inputs, training=training, mask=mask)
         x = inputs
-        # One hop per group of consecutive layers on a device; `training` and masks reach
-        # each layer through Keras' call context.
+        if mask is not None:
+            set_keras_mask(x, mask)
+        # One hop per group of consecutive layers on a device; `training` reaches each layer
+        # through Keras' call context, the Keras mask across the hop (`_hop`).
         steps = zip(self.layers, self._placement)
         for device, group in itertools.groupby(steps, key=lambda step: step[1]):
-            x = on_device(device, _chain([layer for layer, _ in group]), x)
+            x = _hop(device, [layer for layer, _ in group], x)
         return x
 
 
-def _chain(layers):
-    def run(x):
+def _hop(device, layers, x):
+    """`layers` run one after another on `device`, the Keras mask carried in and out.
+
+    Keras carries a mask from layer to layer as an attribute of the tensors; the hop
+    (`on_device`) makes new tensors, so the mask goes in as an input (no gradient) and the
+    mask the last layer attached comes back out, exactly as Keras would propagate it.
+    """
+    mask = get_keras_mask(x)
+    out_mask = []
+
+    def run(x, *masks):
+        if masks:
+            set_keras_mask(x, masks[0])
         for layer in layers:
             x = layer(x)
+        out_mask.append(get_keras_mask(x))
         return x
 
-    return run
+    y = on_device(device, run, x, *([] if mask is None else [mask]))
+    if out_mask[-1] is not None:
+        set_keras_mask(y, out_mask[-1])
+    return y
 
 
 class SplitFunctional(_PlacedSlots, keras.Model):

@@ -10,7 +10,6 @@ refused in one line before the first step; those cases check the message.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tfscale.strategies import BalanceError, ModelSplitError, ModelSplitStrategy
 
@@ -37,6 +36,11 @@ def _fit(model, x, y, optimizer, loss="mse", epochs=2, batch_size=8, **compile_k
     return model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0).history
 
 
+def _optimizer(spec):
+    """A fresh optimizer from a name or a function that makes one."""
+    return spec() if callable(spec) else keras.optimizers.get(spec)
+
+
 def assert_like_keras(build, options, x, y, optimizer, **fit_kwargs):
     """Trains `build()` in plain Keras and split by `options`; losses, weights and predictions agree."""
     keras.utils.set_random_seed(3)
@@ -47,8 +51,8 @@ def assert_like_keras(build, options, x, y, optimizer, **fit_kwargs):
     twin.set_weights(initial)
     strategy = ModelSplitStrategy(**options)
     split = strategy.split(twin)
-    want = _fit(model, x, y, keras.optimizers.get(optimizer), **fit_kwargs)
-    got = _fit(split, x, y, keras.optimizers.get(optimizer), **fit_kwargs)
+    want = _fit(model, x, y, _optimizer(optimizer), **fit_kwargs)
+    got = _fit(split, x, y, _optimizer(optimizer), **fit_kwargs)
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=RTOL, err_msg=key)
     merged = strategy.merge(split)
@@ -121,3 +125,183 @@ def test_layer_split_keeps_the_mask_of_a_per_timestep_output_for_the_loss():
     x, _ = _tokens()
     y = np.random.RandomState(1).randn(len(x), SEQ, 2).astype("float32")
     assert_like_keras(build, {"num_devices": 3}, x, y, "adam")
+
+
+# Case 4: tensor split keeps `trainable=False` (a frozen pretrained layer), and follows changes.
+
+
+def frozen_encoder():
+    ids = keras.Input((SEQ,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, 8, trainable=False, name="embed")(ids)
+    x = keras.layers.Dense(8, activation="relu", trainable=False, name="frozen")(x)
+    x = keras.layers.Dense(4, activation="relu", name="hidden")(keras.layers.GlobalAveragePooling1D()(x))
+    return keras.Model(ids, keras.layers.Dense(2, name="head")(x))
+
+
+def test_tensor_split_keeps_frozen_layers_frozen():
+    x, y = _tokens()
+    y = np.repeat(y, 2, axis=-1)
+    _, split, model = assert_like_keras(frozen_encoder, {"tensor_parallel": 2}, x, y, "adam")
+    assert not split.get_layer("embed").trainable and not split.get_layer("frozen").trainable
+    assert len(split.trainable_weights) == 2 * len(model.trainable_weights)  # two shards each
+    # Unfreezing later (then compiling again, as Keras asks) trains them, as in Keras.
+    for m in (split, model):
+        m.get_layer("embed").trainable = True
+    want = _fit(model, x, y, keras.optimizers.Adam())["loss"]
+    got = _fit(split, x, y, keras.optimizers.Adam())["loss"]
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+
+
+# Case 5: clipping by norm is per whole variable; whole-variable optimizers are refused.
+
+
+def wide_mlp():
+    return keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)]
+    )
+
+
+CLIPPED = {
+    "sgd-clipnorm": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
+    "adam-clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
+    "global_clipnorm": lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05),
+    "clipvalue": lambda: keras.optimizers.SGD(0.5, clipvalue=0.01),
+    "clipnorm-accumulated": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05, gradient_accumulation_steps=2),
+    "clipnorm-loss-scaled": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5, clipnorm=0.05)
+    ),
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(CLIPPED))
+def test_tensor_split_clips_each_whole_variable(optimizer):
+    assert_like_keras(wide_mlp, {"tensor_parallel": 2}, *_dense_data(), CLIPPED[optimizer])
+
+
+def test_tensor_split_data_parallel_clips_each_whole_variable_in_every_copy():
+    options = {"tensor_parallel": 2, "data_parallel": 2}
+    assert_like_keras(wide_mlp, options, *_dense_data(), CLIPPED["adam-clipnorm"])
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [keras.optimizers.Adafactor(), keras.optimizers.Lamb(), keras.optimizers.Muon()],
+    ids=lambda o: type(o).__name__,
+)
+def test_tensor_split_refuses_optimizers_that_need_the_whole_variable(optimizer):
+    split = ModelSplitStrategy(tensor_parallel=2).split(wide_mlp())
+    name = type(optimizer).__name__
+    with pytest.raises(ModelSplitError, match=rf"^Cannot train .* with {name}: .*Expected") as error:
+        split.compile(optimizer=optimizer, loss="mse")
+    assert "\n" not in str(error.value)
+    # Layer split holds whole variables: the same optimizer is fine there.
+    ModelSplitStrategy(num_devices=2).split(wide_mlp()).compile(optimizer=optimizer, loss="mse")
+
+
+# Case 10: layer split with data_parallel=2 logs the whole batch's penalty once.
+
+
+def regularized_mlp():
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.L2(0.1)),
+            keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(0.05)),
+            keras.layers.Dense(4, bias_regularizer=keras.regularizers.L1(0.1)),
+        ]
+    )
+
+
+def test_layer_split_data_parallel_logs_the_penalty_of_the_whole_batch():
+    x, y = _dense_data()
+    assert_like_keras(regularized_mlp, {"num_devices": 2, "data_parallel": 2}, x, y, "sgd")
+
+
+# Case 12: dict outputs with loss_weights; raw keras.ops between layers.
+
+
+def dict_chain():
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    return keras.Model(inputs, {"score": keras.layers.Dense(4, name="score")(hidden)})
+
+
+def two_heads():
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    return keras.Model(
+        inputs,
+        {"a": keras.layers.Dense(4, name="a")(hidden), "b": keras.layers.Dense(2, name="b")(hidden)},
+    )
+
+
+def test_layer_split_of_a_dict_output_with_loss_weights():
+    x, y = _dense_data()
+    assert_like_keras(
+        dict_chain,
+        {"num_devices": 2},
+        x,
+        {"score": y},
+        "adam",
+        loss={"score": "mse"},
+        loss_weights={"score": 0.5},
+    )
+
+
+def test_tensor_split_of_dict_outputs_with_loss_weights():
+    x, y = _dense_data()
+    targets = {"a": y, "b": y[:, :2]}
+    assert_like_keras(
+        two_heads,
+        {"tensor_parallel": 2},
+        x,
+        targets,
+        "adam",
+        loss={"a": "mse", "b": "mae"},
+        loss_weights={"a": 0.3, "b": 2.0},
+    )
+
+
+def raw_op_chain():
+    inputs = keras.Input((8,))
+    hidden = keras.ops.tanh(keras.layers.Dense(8, name="hidden")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(4, name="out")(hidden))
+
+
+def test_layer_split_refuses_a_raw_op_between_layers_naming_the_fix():
+    with pytest.raises(
+        BalanceError, match=r"^Cannot cut model .* at 'tanh\w*': .*keras\.ops.*Layer"
+    ) as error:
+        ModelSplitStrategy(num_devices=2).split(raw_op_chain())
+    assert "\n" not in str(error.value)
+
+
+def test_tensor_split_of_a_raw_op_between_layers():
+    assert_like_keras(raw_op_chain, {"tensor_parallel": 2}, *_dense_data(), "adam")
+
+
+# The model's life around fit: weights in the unsplit layout, save and load.
+
+
+def test_tensor_split_weights_are_in_the_unsplit_layout(tmp_path):
+    keras.utils.set_random_seed(4)
+    model, x = frozen_encoder(), _tokens()[0]
+    split = ModelSplitStrategy(tensor_parallel=2).split(frozen_encoder())
+    split.set_weights(model.get_weights())
+    for a, b in zip(split.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(split.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+    model.save_weights(tmp_path / "user.weights.h5")
+    other = ModelSplitStrategy(tensor_parallel=2).split(frozen_encoder())
+    other.load_weights(tmp_path / "user.weights.h5")
+    np.testing.assert_allclose(other.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [{"num_devices": 2}, {"tensor_parallel": 2}])
+def test_a_split_model_saves_and_loads(tmp_path, options):
+    x, y = _dense_data()
+    split = ModelSplitStrategy(**options).split(wide_mlp())
+    _fit(split, x, y, "adam", epochs=1)
+    split.save(tmp_path / "split.keras")
+    loaded = keras.models.load_model(tmp_path / "split.keras")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), split.predict(x, verbose=0), atol=1e-6)

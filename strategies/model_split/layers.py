@@ -104,7 +104,16 @@ class _Sharded(keras.layers.Layer):
                         initializer=functools.partial(_constant, piece),
                     )
                 )
+        self.shard_groups.append(shards)
         return shards
+
+    @property
+    def shard_groups(self):
+        """The shards of each weight, one list per weight (each is one Keras weight, cut)."""
+        if not hasattr(self, "_shard_groups"):
+            # Untracked (a plain Python list of lists would be tracked as weights again).
+            object.__setattr__(self, "_shard_groups", [])
+        return self._shard_groups
 
     def get_config(self):
         return {**super().get_config(), "devices": list(self.devices)}

@@ -8,19 +8,68 @@ import tensorflow as tf
 
 from tfscale.compat import keras_compile_loss
 from tfscale.compat.keras_mask import get_keras_mask, set_keras_mask
+from tfscale.compat.keras_optimizer_clip import clip_norm_by_groups
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._loss_split import loss_reduction, slice_weights
 from tfscale.strategies._placement import on_device, place_slots_with_variables
 from tfscale.strategies._replicas import Replicas, SyncedReplicas
+from tfscale.strategies.model_split.layers import ModelSplitError
 
 __all__ = ["DataParallelSplit", "SplitFunctional", "SplitSequential"]
 
 
+# Optimizers whose update of a weight reads the whole weight (its norm or its shape): on
+# each shard of a tensor-split weight alone, it would compute something else.
+_WHOLE_WEIGHT_OPTIMIZERS = {
+    "Adafactor": "its second moments are factored over each weight's rows and columns and its "
+    "step scales with the weight's RMS",
+    "Lamb": "its trust ratio divides each weight's norm by the norm of its update",
+    "Muon": "it orthogonalises each weight's whole update matrix and scales it by the weight's shape",
+}
+
+
+def _shard_groups(models):
+    """{id(shard variable): key shared by the shards of one weight} over `models`' layers."""
+    groups = {}
+    for model in models:
+        for layer in model.layers:
+            for shards in getattr(layer, "shard_groups", ()):
+                groups.update({id(v): id(shards[0]) for v in shards})
+    return groups
+
+
+def fit_optimizer_to_shards(model_name, optimizer, models):
+    """Refuses an optimizer that needs whole weights, and clips by whole-weight norms.
+
+    A no-op for models without tensor-split layers (a layer split holds whole weights).
+
+    Raises:
+        ModelSplitError: `optimizer` (or the one a `LossScaleOptimizer` wraps) updates a
+            weight from the whole weight (`_WHOLE_WEIGHT_OPTIMIZERS`).
+    """
+    groups = _shard_groups(models)
+    if not groups:
+        return
+    for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        for name, why in _WHOLE_WEIGHT_OPTIMIZERS.items():
+            cls = getattr(keras.optimizers, name, None)
+            if cls is not None and isinstance(candidate, cls):
+                raise ModelSplitError(
+                    f"Cannot train tensor-split model {model_name!r} with {name}: {why}, and tensor "
+                    "split holds each weight as shards on separate devices. Expected an optimizer "
+                    "that updates each number on its own (SGD, Adam, AdamW, RMSprop, Adagrad, "
+                    "Adadelta, Adamax, Nadam, Ftrl, Lion), or layer split (no tensor_parallel)."
+                )
+    clip_norm_by_groups(optimizer, lambda variable: groups.get(id(variable)))
+
+
 class _PlacedSlots:
-    """Mixin: `compile` places the optimizer's slots with their variables."""
+    """Mixin: `compile` places the optimizer's slots with their variables, and fits the
+    optimizer to tensor-split weights (`fit_optimizer_to_shards`)."""
 
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
+        fit_optimizer_to_shards(self.name, self.optimizer, [self])
         place_slots_with_variables(self.optimizer)
 
 
@@ -99,6 +148,15 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
         self.primary = models[0]
         self._others = _Others(models[1:], Replicas([m.trainable_variables for m in models]))
         self.built = True
+        replicas, make = self._others.replicas, self._others.replicas.make_optimizers
+
+        def make_fitted(optimizer):
+            # The other replicas' optimizers (copies of this one) clip whole weights too.
+            make(optimizer)
+            for copy in replicas.optimizers[1:]:
+                fit_optimizer_to_shards(self.name, copy, self.replica_models)
+
+        replicas.make_optimizers = make_fitted
 
     @property
     def replica_models(self):
@@ -113,6 +171,7 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
         loss_reduction(self.loss)
+        fit_optimizer_to_shards(self.name, self.optimizer, self.replica_models)
         place_slots_with_variables(self.optimizer)
         self.primary.optimizer = self.optimizer  # its weights file holds the optimizer
 

@@ -182,7 +182,8 @@ def _output_specs(config):
 
 def _split_form(layer, devices, role):
     config = layer.get_config()
-    common = {"name": layer.name, "dtype": layer.dtype_policy}
+    # `trainable` too: a frozen (pretrained) layer stays frozen once split.
+    common = {"name": layer.name, "dtype": layer.dtype_policy, "trainable": layer.trainable}
     if isinstance(layer, keras.layers.Dense):
         dense = {k: config[k] for k in ("use_bias", "kernel_initializer", "bias_initializer")}
         # The function itself: a custom one need not be registered to be found again.

@@ -77,14 +77,29 @@ class SplitSequential(_PlacedSlots, keras.Sequential):
     """A `keras.Sequential` whose layer i runs under `tf.device(placement[i])`.
 
     Its layers (classes, order, weights) are those of the model it was split from, so its
-    `save_weights` file has the same layout and loads into that model, and back.
+    `save_weights` file has the same layout and loads into that model, and back. Its output
+    has the structure of that model's (`output_structure`: e.g. `{"score": 0}` for a chain
+    whose one output is a dict), so `loss` / `loss_weights` by output name still apply.
     """
 
-    def __init__(self, layers, placement=None, name=None):
+    def __init__(self, layers, placement=None, name=None, output_structure=None):
         super().__init__(layers, name=name)
         self._placement = tuple(placement) if placement else None
+        # Untracked: Keras would wrap a dict in a TrackedDict, a type the losses do not match.
+        object.__setattr__(self, "_output_structure", output_structure)
+
+    def _structured(self, output):
+        if self._output_structure is None:
+            return output
+        return keras.tree.pack_sequence_as(self._output_structure, [output])
+
+    def compute_output_spec(self, inputs, training=None, mask=None, **kwargs):
+        return self._structured(super().compute_output_spec(inputs, training=training, mask=mask, **kwargs))
 
     def call(self, inputs, training=None, mask=None):
+        return self._structured(self._call_placed(inputs, training=training, mask=mask))
+
+    def _call_placed(self, inputs, training=None, mask=None):
         if self._placement is None:
             return super().call(inputs, training=training, mask=mask)
         x = inputs
@@ -205,7 +220,9 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
             gradients.append(
                 [tf.zeros_like(v) if g is None else g for g, v in zip(grads, model.trainable_variables)]
             )
-            terms.append(value if penalty is None or r else value + penalty)
+            # Logged as differentiated: the replicas' penalties (weight penalties are equal,
+            # activity penalties are per-sample means of equal slices) average to the batch's.
+            terms.append(total)
             y_preds.append(y_pred)
         replicas = self._data_parallel()
         replicas.apply(replicas.all_reduce(gradients))

@@ -1,9 +1,11 @@
 """The Keras model classes a split returns: ordinary Sequential / functional models, plus
 device placement of each layer's call and of the optimizer's slot variables."""
 
+import contextlib
 import itertools
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfscale.compat import keras_compile_loss
@@ -11,9 +13,10 @@ from tfscale.compat.keras_mask import get_keras_mask, set_keras_mask
 from tfscale.compat.keras_optimizer_clip import clip_norm_by_groups
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._loss_split import loss_reduction, slice_weights
+from tfscale.strategies._parts import merge
 from tfscale.strategies._placement import on_device, place_slots_with_variables
 from tfscale.strategies._replicas import Replicas, SyncedReplicas
-from tfscale.strategies.model_split.layers import ModelSplitError
+from tfscale.strategies.model_split.layers import ModelSplitError, ShardGroup
 
 __all__ = ["DataParallelSplit", "SplitFunctional", "SplitSequential"]
 
@@ -33,8 +36,8 @@ def _shard_groups(models):
     groups = {}
     for model in models:
         for layer in model.layers:
-            for shards in getattr(layer, "shard_groups", ()):
-                groups.update({id(v): id(shards[0]) for v in shards})
+            for group in getattr(layer, "shard_groups", ()):
+                groups.update({id(v): id(group.variables[0]) for v in group.variables})
     return groups
 
 
@@ -63,16 +66,83 @@ def fit_optimizer_to_shards(model_name, optimizer, models):
     clip_norm_by_groups(optimizer, lambda variable: groups.get(id(variable)))
 
 
+def _unsplit_layout(model):
+    """`model.weights` as the unsplit model holds them: a whole weight's variable, or the
+    `ShardGroup` of a tensor-split weight where its first shard is."""
+    groups = {
+        id(v): g for layer in model.layers for g in getattr(layer, "shard_groups", ()) for v in g.variables
+    }
+    layout, seen = [], set()
+    for variable in model.weights:
+        group = groups.get(id(variable))
+        if group is None:
+            layout.append(variable)
+        elif id(group) not in seen:
+            seen.add(id(group))
+            layout.append(group)
+    return layout
+
+
 class _PlacedSlots:
-    """Mixin: `compile` places the optimizer's slots with their variables, and fits the
-    optimizer to tensor-split weights (`fit_optimizer_to_shards`)."""
+    """Mixin of the split models: `compile` places the optimizer's slots with their variables
+    and fits the optimizer to tensor-split weights (`fit_optimizer_to_shards`);
+    `get_weights` / `set_weights` use the unsplit model's layout (a tensor-split weight is
+    one array, as in the model that was split), and `load_weights` also takes a weights
+    file of that model (`remember_origin`)."""
 
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
         fit_optimizer_to_shards(self.name, self.optimizer, [self])
         place_slots_with_variables(self.optimizer)
 
+    # Keras restores the compilation of a saved model only when a model that overrides
+    # `compile` overrides these two as well; ours do what Keras's own do, through `compile`.
+    def get_compile_config(self):
+        return super().get_compile_config()
 
+    def compile_from_config(self, config):
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)  # for the saved optimizer state
+
+    def remember_origin(self, origin):
+        """`origin` (`_parts.Origin`): how to build the unsplit model, for `load_weights`."""
+        object.__setattr__(self, "_tfscale_origin", origin)
+
+    def get_weights(self):
+        """The weights as numpy arrays, in the unsplit model's `get_weights()` layout."""
+        return [
+            item.gather() if isinstance(item, ShardGroup) else item.numpy() for item in _unsplit_layout(self)
+        ]
+
+    def set_weights(self, weights):
+        """Sets the weights from arrays in the unsplit model's `get_weights()` layout."""
+        layout, weights = _unsplit_layout(self), list(weights)
+        want = [tuple(item.shape) for item in layout]
+        if [tuple(np.shape(w)) for w in weights] != want:
+            raise ModelSplitError(
+                f"Invalid value for argument `weights` of model {self.name!r}: received "
+                f"{len(weights)} arrays of shapes {[tuple(np.shape(w)) for w in weights]}. Expected "
+                f"{len(want)} arrays of shapes {want} (the unsplit model's get_weights() layout)."
+            )
+        for item, value in zip(layout, weights):
+            item.assign(value)
+
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        """Loads a weights file of this split model, or of the unsplit model it was split from."""
+        try:
+            return super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        except ValueError:
+            origin = getattr(self, "_tfscale_origin", None)
+            if origin is None or not any(getattr(layer, "shard_groups", ()) for layer in self.layers):
+                raise
+        # A file of the unsplit model: loaded into that model, then split into this one.
+        unsplit = merge(origin, self)
+        unsplit.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        self.set_weights(unsplit.get_weights())
+
+
+@keras.saving.register_keras_serializable(package="tfscale")
 class SplitSequential(_PlacedSlots, keras.Sequential):
     """A `keras.Sequential` whose layer i runs under `tf.device(placement[i])`.
 
@@ -87,6 +157,25 @@ class SplitSequential(_PlacedSlots, keras.Sequential):
         self._placement = tuple(placement) if placement else None
         # Untracked: Keras would wrap a dict in a TrackedDict, a type the losses do not match.
         object.__setattr__(self, "_output_structure", output_structure)
+
+    def get_config(self):
+        placement = list(self._placement) if self._placement else None
+        return {**super().get_config(), "placement": placement, "output_structure": self._output_structure}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """The split model again, each layer made (and its variables created) on its device."""
+        config = dict(config)
+        placement, structure = config.pop("placement", None), config.pop("output_structure", None)
+        input_config, *layer_configs = config["layers"]
+        first = keras.saving.deserialize_keras_object(input_config, custom_objects=custom_objects)
+        layers, x = [], first.output
+        for layer_config, device in zip(layer_configs, placement or [None] * len(layer_configs)):
+            with tf.device(device) if device else contextlib.nullcontext():
+                layer = keras.saving.deserialize_keras_object(layer_config, custom_objects=custom_objects)
+                x = layer(x)
+            layers.append(layer)
+        return cls([first, *layers], placement=placement, name=config["name"], output_structure=structure)
 
     def _structured(self, output):
         if self._output_structure is None:
@@ -137,6 +226,7 @@ def _hop(device, layers, x):
     return y
 
 
+@keras.saving.register_keras_serializable(package="tfscale")
 class SplitFunctional(_PlacedSlots, keras.Model):
     """A functional `keras.Model` (built from inputs and outputs) with placed optimizer slots."""
 
@@ -228,6 +318,23 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
         replicas.apply(replicas.all_reduce(gradients))
         keras_compile_loss.update_loss_tracker(self, tf.add_n(terms), tf.shape(x)[0])
         return self.compute_metrics(x, y, tf.concat(y_preds, axis=0), sample_weight=sample_weight)
+
+    def get_weights(self):
+        """Replica 0's weights, in the unsplit model's layout."""
+        return self.primary.get_weights()
+
+    def set_weights(self, weights):
+        """Sets every replica's weights from arrays in the unsplit model's layout."""
+        self.primary.set_weights(weights)
+        self._data_parallel().sync()
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Refused: D copies are one training set-up, not one model; see the message."""
+        raise ModelSplitError(
+            f"Cannot save data-parallel split model {self.name!r} with save({str(filepath)!r}): its "
+            "D copies are not one Keras model. Expected strategy.merge(model).save(path) (the "
+            "unsplit model; split it again after load_model), or model.save_weights(path)."
+        )
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Writes replica 0's weights file (the user's model's layout)."""

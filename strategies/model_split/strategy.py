@@ -144,6 +144,8 @@ class ModelSplitStrategy:
         if outcomes[0][1] is not None:
             self._whole[split] = outcomes[0][1]
         self._origins[split] = _parts.Origin(model)
+        for copy in copies:
+            copy.remember_origin(self._origins[split])
         return split
 
     def _split_on(self, model, devices, sample_input):

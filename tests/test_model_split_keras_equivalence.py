@@ -334,7 +334,30 @@ def test_a_split_model_saves_and_loads_on_its_devices_and_trains_on(tmp_path, op
     np.testing.assert_allclose(more[0], more[1], rtol=RTOL)
 
 
-def test_a_data_parallel_split_model_refuses_save_naming_the_way():
+def test_a_data_parallel_split_model_refuses_save_naming_the_way(tmp_path):
     split = ModelSplitStrategy(num_devices=2, data_parallel=2).split(wide_mlp())
     with pytest.raises(ModelSplitError, match=r"^Cannot save data-parallel .*strategy\.merge\(model\)\.save"):
-        split.save("never.keras")
+        split.save(tmp_path / "never.keras")
+    assert not list(tmp_path.iterdir())
+
+
+def masked_sequence_model():
+    return keras.Sequential(
+        [
+            keras.Input((SEQ, 3)),
+            keras.layers.Masking(0.0),
+            keras.layers.LSTM(6, return_sequences=True),
+            keras.layers.Dense(2),
+        ]
+    )
+
+
+def _masked_sequences():
+    x, _ = _tokens()
+    features = np.repeat(x[..., None].astype("float32") / VOCAB, 3, axis=-1)
+    return features, np.random.RandomState(1).randn(len(x), SEQ, 2).astype("float32")
+
+
+def test_layer_split_data_parallel_averages_a_masked_loss_over_the_batch_valid_steps():
+    options = {"num_devices": 2, "data_parallel": 2}
+    assert_like_keras(masked_sequence_model, options, *_masked_sequences(), "sgd", metrics=["mae"])

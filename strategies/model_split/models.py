@@ -239,6 +239,20 @@ class _Others:
         self.replicas = replicas
 
 
+def _masked_slice_weights(reduction, y_preds):
+    """Slice weights of a masked output under a mean loss, or None (no mask, other reduction).
+
+    Keras averages a masked loss over the valid (unmasked) steps of the whole batch; each
+    replica averages over its own, so slice r weighs valid_r / valid_total (not 1/D).
+    """
+    masks = [get_keras_mask(y) for y in y_preds]
+    if reduction not in ("sum_over_batch_size", "mean") or any(m is None for m in masks):
+        return None
+    counts = [tf.reduce_sum(tf.cast(m, y.dtype)) for m, y in zip(masks, y_preds)]
+    total = tf.add_n(counts)
+    return [tf.math.divide_no_nan(c, total) for c in counts]
+
+
 class DataParallelSplit(SyncedReplicas, keras.Model):
     """D copies of a split model, each on its own group of devices, trained as one model.
 
@@ -295,12 +309,17 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
             )
         xs, ys = tf.split(x, d), tf.split(y, d)
         sws = None if sample_weight is None else tf.split(sample_weight, d)
-        weights = slice_weights(loss_reduction(self.loss), sws, d)
+        reduction = loss_reduction(self.loss)
         loss_object = keras_compile_loss.compiled_loss(self)
-        gradients, terms, y_preds = [], [], []
-        for r, model in enumerate(models):
-            with tf.GradientTape() as tape:
-                y_pred = model(xs[r], training=True)
+        # Every replica's forward first: a masked output's slices weigh by their valid steps.
+        tapes, y_preds = [tf.GradientTape() for _ in models], []
+        for tape, model, x_r in zip(tapes, models, xs):
+            with tape:
+                y_preds.append(model(x_r, training=True))
+        weights = _masked_slice_weights(reduction, y_preds) or slice_weights(reduction, sws, d)
+        gradients, terms = [], []
+        for r, (tape, model, y_pred) in enumerate(zip(tapes, models, y_preds)):
+            with tape:  # the same tape again: the loss is recorded after its forward
                 value = loss_object(ys[r], y_pred, None if sws is None else sws[r]) * weights[r]
                 # The weight penalty: 1/D from each replica adds up to one penalty.
                 penalty = tf.add_n(model.losses) if model.losses else None
@@ -313,11 +332,14 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
             # Logged as differentiated: the replicas' penalties (weight penalties are equal,
             # activity penalties are per-sample means of equal slices) average to the batch's.
             terms.append(total)
-            y_preds.append(y_pred)
         replicas = self._data_parallel()
         replicas.apply(replicas.all_reduce(gradients))
         keras_compile_loss.update_loss_tracker(self, tf.add_n(terms), tf.shape(x)[0])
-        return self.compute_metrics(x, y, tf.concat(y_preds, axis=0), sample_weight=sample_weight)
+        y_pred = tf.concat(y_preds, axis=0)
+        masks = [get_keras_mask(y) for y in y_preds]
+        if all(m is not None for m in masks):  # masked metrics see the batch's mask
+            set_keras_mask(y_pred, tf.concat(masks, axis=0))
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def get_weights(self):
         """Replica 0's weights, in the unsplit model's layout."""

@@ -97,6 +97,10 @@ def test_layer_split_carries_the_embedding_mask_to_the_rnn(rnn):
     assert [len(part["layers"]) for part in strategy.placement] == [1, 2]
 
 
+def test_tensor_split_keeps_the_embedding_mask_for_the_rnn():
+    assert_like_keras(embedding_lstm(RNNS["lstm"]), {"tensor_parallel": 2}, *_tokens(), "adam")
+
+
 def test_layer_split_carries_a_masking_layer_mask_through_every_hop():
     def build():
         return keras.Sequential(
@@ -310,25 +314,44 @@ def _devices(model):
     return [tf.DeviceSpec.from_string(v.value.device).device_index for v in model.weights]
 
 
-@pytest.mark.parametrize("options", [{"num_devices": 2}, {"num_devices": 3}, {"tensor_parallel": 2}])
-def test_a_split_model_saves_and_loads_on_its_devices_and_trains_on(tmp_path, options):
-    def build():
-        return keras.Sequential(
-            [
-                keras.Input((8,)),
-                *(keras.layers.Dense(8, activation="relu") for _ in range(2)),
-                keras.layers.Dense(4),
-            ]
-        )
+def three_dense():
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            *(keras.layers.Dense(8, activation="relu") for _ in range(2)),
+            keras.layers.Dense(4),
+        ]
+    )
 
+
+def functional_mlp():
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(8, activation="relu")(keras.layers.Dense(8, activation="relu")(inputs))
+    return keras.Model(inputs, {"out": keras.layers.Dense(4)(keras.layers.LayerNormalization()(hidden))})
+
+
+@pytest.mark.parametrize(
+    ("build", "options"),
+    [
+        (three_dense, {"num_devices": 2}),
+        (three_dense, {"num_devices": 3}),
+        (three_dense, {"tensor_parallel": 2}),
+        (functional_mlp, {"num_devices": 2}),
+        (functional_mlp, {"tensor_parallel": 2}),
+    ],
+)
+def test_a_split_model_saves_and_loads_on_its_devices_and_trains_on(tmp_path, build, options):
     x, y = _dense_data()
+    if build is functional_mlp:
+        y = {"out": y}
     split = ModelSplitStrategy(**options).split(build())
     _fit(split, x, y, "adam", epochs=1)
     split.save(tmp_path / "split.keras")
     loaded = keras.models.load_model(tmp_path / "split.keras")
     assert type(loaded) is type(split) and _devices(loaded) == _devices(split)
     assert len(set(_devices(loaded))) > 1
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), split.predict(x, verbose=0), atol=1e-6)
+    for a, b in zip(*(keras.tree.flatten(m.predict(x, verbose=0)) for m in (loaded, split)), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
     # The optimizer state came back too: one more epoch is the same on both.
     more = [m.fit(x, y, batch_size=8, shuffle=False, verbose=0).history["loss"] for m in (split, loaded)]
     np.testing.assert_allclose(more[0], more[1], rtol=RTOL)

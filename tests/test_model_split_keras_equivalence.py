@@ -242,11 +242,12 @@ def two_heads():
     )
 
 
-def test_layer_split_of_a_dict_output_with_loss_weights():
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_layer_split_of_a_dict_output_with_loss_weights(data_parallel):
     x, y = _dense_data()
     assert_like_keras(
         dict_chain,
-        {"num_devices": 2},
+        {"num_devices": 2, "data_parallel": data_parallel},
         x,
         {"score": y},
         "adam",
@@ -255,12 +256,13 @@ def test_layer_split_of_a_dict_output_with_loss_weights():
     )
 
 
-def test_tensor_split_of_dict_outputs_with_loss_weights():
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_tensor_split_of_dict_outputs_with_loss_weights(data_parallel):
     x, y = _dense_data()
     targets = {"a": y, "b": y[:, :2]}
     assert_like_keras(
         two_heads,
-        {"tensor_parallel": 2},
+        {"tensor_parallel": 2, "data_parallel": data_parallel},
         x,
         targets,
         "adam",

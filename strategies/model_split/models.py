@@ -239,12 +239,39 @@ class _Others:
         self.replicas = replicas
 
 
+def _split(data, d):
+    """`data` (a tensor, or a dict / list of them) cut into D slices along the batch."""
+    pieces = [tf.split(t, d) for t in keras.tree.flatten(data)]
+    return [keras.tree.pack_sequence_as(data, [p[r] for p in pieces]) for r in range(d)]
+
+
+def _reduction(loss):
+    """The one reduction of a compiled loss, or of every output's loss (`loss_reduction`)."""
+    if not isinstance(loss, (list, tuple, dict)):
+        return loss_reduction(loss)
+    reductions = {loss_reduction(leaf) for leaf in keras.tree.flatten(loss)}
+    if len(reductions) != 1:
+        raise StrategyError(
+            f"Invalid value for argument `loss`. Received: loss={loss!r} with reductions "
+            f"{sorted(reductions)}. Expected one reduction for every output of a data-parallel split."
+        )
+    return reductions.pop()
+
+
 def _masked_slice_weights(reduction, y_preds):
     """Slice weights of a masked output under a mean loss, or None (no mask, other reduction).
 
     Keras averages a masked loss over the valid (unmasked) steps of the whole batch; each
     replica averages over its own, so slice r weighs valid_r / valid_total (not 1/D).
     """
+    if keras.tree.is_nested(y_preds[0]):
+        if any(get_keras_mask(t) is not None for y in y_preds for t in keras.tree.flatten(y)):
+            raise StrategyError(
+                "A data-parallel split of a model with several (or dict / list) outputs cannot "
+                "weigh a masked output's loss by its valid steps. Expected unmasked outputs, one "
+                "tensor output, or data_parallel=1."
+            )
+        return None
     masks = [get_keras_mask(y) for y in y_preds]
     if reduction not in ("sum_over_batch_size", "mean") or any(m is None for m in masks):
         return None
@@ -289,7 +316,7 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
 
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
-        loss_reduction(self.loss)
+        _reduction(self.loss)
         fit_optimizer_to_shards(self.name, self.optimizer, self.replica_models)
         place_slots_with_variables(self.optimizer)
         self.primary.optimizer = self.optimizer  # its weights file holds the optimizer
@@ -301,15 +328,15 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         models, d = self.replica_models, len(self.replica_models)
-        n = x.shape[0]
+        n = keras.tree.flatten(x)[0].shape[0]
         if n is not None and n % d:
             raise StrategyError(
                 f"Invalid value for argument `data_parallel`. Received: data_parallel={d} for a batch "
                 f"of {n} samples. Expected batch sizes that are multiples of {d}."
             )
-        xs, ys = tf.split(x, d), tf.split(y, d)
-        sws = None if sample_weight is None else tf.split(sample_weight, d)
-        reduction = loss_reduction(self.loss)
+        xs, ys = _split(x, d), _split(y, d)
+        sws = None if sample_weight is None else _split(sample_weight, d)
+        reduction = _reduction(self.loss)
         loss_object = keras_compile_loss.compiled_loss(self)
         # Every replica's forward first: a masked output's slices weigh by their valid steps.
         tapes, y_preds = [tf.GradientTape() for _ in models], []
@@ -334,7 +361,11 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
             terms.append(total)
         replicas = self._data_parallel()
         replicas.apply(replicas.all_reduce(gradients))
-        keras_compile_loss.update_loss_tracker(self, tf.add_n(terms), tf.shape(x)[0])
+        keras_compile_loss.update_loss_tracker(self, tf.add_n(terms), tf.shape(keras.tree.flatten(x)[0])[0])
+        if keras.tree.is_nested(y_preds[0]):  # several outputs, or one in a dict or list
+            leaves = zip(*(keras.tree.flatten(y) for y in y_preds))
+            y_pred = keras.tree.pack_sequence_as(y_preds[0], [tf.concat(ls, axis=0) for ls in leaves])
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         y_pred = tf.concat(y_preds, axis=0)
         masks = [get_keras_mask(y) for y in y_preds]
         if all(m is not None for m in masks):  # masked metrics see the batch's mask

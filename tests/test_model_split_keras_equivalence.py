@@ -386,3 +386,21 @@ def _masked_sequences():
 def test_layer_split_data_parallel_averages_a_masked_loss_over_the_batch_valid_steps():
     options = {"num_devices": 2, "data_parallel": 2}
     assert_like_keras(masked_sequence_model, options, *_masked_sequences(), "sgd", metrics=["mae"])
+
+
+def test_compat_clip_norm_by_groups_clips_a_group_by_its_joint_norm():
+    """The gate of tfscale.compat.keras_optimizer_clip: Keras's private hooks still clip."""
+    from tfscale.compat.keras_optimizer_clip import clip_norm_by_groups
+
+    a, b, alone = (keras.Variable(np.zeros(2, "float32")) for _ in range(3))
+    optimizer = keras.optimizers.SGD(1.0, clipnorm=1.0)
+    clip_norm_by_groups(optimizer, lambda v: "ab" if v is a or v is b else None)
+    grads = [
+        np.array([3.0, 0.0], "float32"),
+        np.array([0.0, 4.0], "float32"),
+        np.array([6.0, 8.0], "float32"),
+    ]
+    optimizer.apply(grads, [a, b, alone])
+    np.testing.assert_allclose(a.numpy(), [-0.6, 0.0], rtol=1e-6)  # the group's norm is 5
+    np.testing.assert_allclose(b.numpy(), [0.0, -0.8], rtol=1e-6)
+    np.testing.assert_allclose(alone.numpy(), [-0.6, -0.8], rtol=1e-6)  # its own norm, 10

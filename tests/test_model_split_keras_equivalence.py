@@ -89,7 +89,14 @@ RNNS = {
 }
 
 
-@pytest.mark.parametrize("rnn", sorted(RNNS))
+@pytest.mark.parametrize(
+    "rnn",
+    [
+        "lstm",
+        pytest.param("gru", marks=pytest.mark.slow),
+        pytest.param("bidirectional", marks=pytest.mark.slow),
+    ],
+)
 def test_layer_split_carries_the_embedding_mask_to_the_rnn(rnn):
     strategy, _, _ = assert_like_keras(
         embedding_lstm(RNNS[rnn]), {"num_devices": 2, "balance": [1, 2]}, *_tokens(), "adam"
@@ -97,10 +104,12 @@ def test_layer_split_carries_the_embedding_mask_to_the_rnn(rnn):
     assert [len(part["layers"]) for part in strategy.placement] == [1, 2]
 
 
+@pytest.mark.slow
 def test_tensor_split_keeps_the_embedding_mask_for_the_rnn():
     assert_like_keras(embedding_lstm(RNNS["lstm"]), {"tensor_parallel": 2}, *_tokens(), "adam")
 
 
+@pytest.mark.slow
 def test_layer_split_carries_a_masking_layer_mask_through_every_hop():
     def build():
         return keras.Sequential(
@@ -180,7 +189,13 @@ CLIPPED = {
 }
 
 
-@pytest.mark.parametrize("optimizer", sorted(CLIPPED))
+SLOW_CLIPPED = ("clipnorm-accumulated", "clipvalue", "global_clipnorm")
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [pytest.param(o, marks=pytest.mark.slow) if o in SLOW_CLIPPED else o for o in sorted(CLIPPED)],
+)
 def test_tensor_split_clips_each_whole_variable(optimizer):
     assert_like_keras(wide_mlp, {"tensor_parallel": 2}, *_dense_data(), CLIPPED[optimizer])
 
@@ -256,7 +271,7 @@ def test_layer_split_of_a_dict_output_with_loss_weights(data_parallel):
     )
 
 
-@pytest.mark.parametrize("data_parallel", [1, 2])
+@pytest.mark.parametrize("data_parallel", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_tensor_split_of_dict_outputs_with_loss_weights(data_parallel):
     x, y = _dense_data()
     targets = {"a": y, "b": y[:, :2]}
@@ -336,9 +351,9 @@ def functional_mlp():
     ("build", "options"),
     [
         (three_dense, {"num_devices": 2}),
-        (three_dense, {"num_devices": 3}),
+        pytest.param(three_dense, {"num_devices": 3}, marks=pytest.mark.slow),
         (three_dense, {"tensor_parallel": 2}),
-        (functional_mlp, {"num_devices": 2}),
+        pytest.param(functional_mlp, {"num_devices": 2}, marks=pytest.mark.slow),
         (functional_mlp, {"tensor_parallel": 2}),
     ],
 )

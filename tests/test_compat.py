@@ -125,3 +125,11 @@ def test_sigterm_default_undoes_a_c_level_handler_installed_meanwhile():
         [sys.executable, "-c", _SIGTERM_CHILD], capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr[-2000:]
+
+
+def test_the_profiler_barrier_is_available_and_a_single_process_only_syncs():
+    from tfscale.compat import tf_barrier
+
+    assert tf_barrier.available()
+    # One process: pending ops only (no coordination service to ask).
+    assert tf_barrier.quiesce("tfscale-test", multi_worker=False, timeout_s=5) is True

@@ -18,8 +18,9 @@ Called in that order on every worker, the profiler then starts or stops when no 
 is in flight anywhere in the cluster: a deterministic order instead of the 0.1 s pause
 that preceded this module. No upstream issue tracks the crash itself as of TF 2.21.
 Checked on TF 2.16 to 2.21. Gate: `available()`, both present; otherwise `quiesce` only
-waits for what it can and returns False. tests/test_compat.py checks the gate and that the
-barrier blocks until every task has arrived (a 2-task cluster).
+waits for what it can and returns False. tests/test_compat.py checks the gate; the barrier
+itself runs in tests/test_train.py's 2-worker `--profile_steps` job (a missing method
+fails it).
 """
 
 __all__ = ["CHECKED_ON", "available", "quiesce"]

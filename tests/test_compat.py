@@ -97,8 +97,11 @@ def test_global_batch_not_divisible_by_replicas_trains():
 # handler that keeps the process alive; SIG_IGN here), inside `SigtermDefault`; then a
 # real SIGTERM once the action reads as the default again (a bounded wait).
 _SIGTERM_CHILD = """
-import ctypes, os, signal, sys, threading, time
-from tfscale.compat import tf_sigterm
+import ctypes, importlib.util, os, signal, sys, threading, time
+# The module alone (it imports nothing of TensorFlow; the package would, ~5 s).
+spec = importlib.util.spec_from_file_location("tf_sigterm", sys.argv[1])
+tf_sigterm = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tf_sigterm)
 libc = ctypes.CDLL(None)
 libc.signal.restype = ctypes.c_void_p
 libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
@@ -121,8 +124,14 @@ print("survived SIGTERM")
 
 
 def test_sigterm_default_undoes_a_c_level_handler_installed_meanwhile():
+    import tfscale.compat.tf_sigterm
+
     proc = subprocess.run(
-        [sys.executable, "-c", _SIGTERM_CHILD], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", _SIGTERM_CHILD, tfscale.compat.tf_sigterm.__file__],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr[-2000:]
 

@@ -9,18 +9,17 @@ listens on its own port meanwhile (a plain socket, closed before TensorFlow bind
 port), so peers that all probe first do not wait for each other forever.
 
 TensorFlow's coordination agent also installs a C++ SIGTERM handler (its preemption
-notifier) that only records the signal: the process ignored SIGTERM for good. A watcher
-thread keeps the default action during TensorFlow's init, and it is restored afterwards
-(tfscale's own backup callback installs its handler in `fit`).
+notifier) that only records the signal: the process ignored SIGTERM for good.
+`tfscale.compat.tf_sigterm` keeps the default action during TensorFlow's init, and it is
+restored afterwards (tfscale's own backup callback installs its handler in `fit`).
 """
 
-import ctypes
-import signal
 import socket
 import struct
 import threading
 import time
 
+from tfscale.compat.tf_sigterm import SigtermDefault
 from tfscale.strategies._errors import StrategyError
 
 __all__ = ["DEFAULT_CLUSTER_TIMEOUT", "ClusterTimeoutError", "build_within", "check_cluster_timeout"]
@@ -28,7 +27,6 @@ __all__ = ["DEFAULT_CLUSTER_TIMEOUT", "ClusterTimeoutError", "build_within", "ch
 DEFAULT_CLUSTER_TIMEOUT = 300.0  # seconds: long enough for slow hosts to start, short of a hang
 _PROBE_SECONDS = 0.5
 _RETRY_SECONDS = 0.2
-_WATCH_SECONDS = 0.05
 _COLLECTIVE_TASKS = ("chief", "worker")
 
 
@@ -142,37 +140,6 @@ def wait_for_peers(cluster, cluster_timeout):
         listener.close()
 
 
-class _SigtermDefault:
-    """Keeps SIGTERM's action at the default (terminate) while TensorFlow may replace it."""
-
-    def __init__(self):
-        self._done = threading.Event()
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self._libc.signal.restype = ctypes.c_void_p
-        self._libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
-        self._thread = threading.Thread(target=self._watch, name="tfscale-sigterm", daemon=True)
-
-    def _reset(self):
-        # signal() from any thread: Python's signal.signal works only in the main thread.
-        self._libc.signal(signal.SIGTERM, ctypes.c_void_p(0))  # SIG_DFL
-
-    def _watch(self):
-        while not self._done.wait(_WATCH_SECONDS):
-            self._reset()
-
-    def __enter__(self):
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            self._thread.start()  # Someone else's Python handler is theirs to keep.
-        return self
-
-    def __exit__(self, *exc):
-        self._done.set()
-        if self._thread.is_alive():
-            self._thread.join()
-            self._reset()
-        return False
-
-
 def build_within(cluster, cluster_timeout, build):
     """Waits for the peers of `cluster` (at most `cluster_timeout` s), then returns `build()`.
 
@@ -181,5 +148,5 @@ def build_within(cluster, cluster_timeout, build):
     """
     if cluster.is_multi_worker:
         wait_for_peers(cluster, cluster_timeout)
-    with _SigtermDefault():
+    with SigtermDefault():
         return build()

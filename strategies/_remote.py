@@ -17,13 +17,13 @@ import time
 
 import tensorflow as tf
 
+from tfscale.compat.tf_sigterm import SigtermDefault
 from tfscale.strategies import _devices
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._peers import (
     DEFAULT_CLUSTER_TIMEOUT,
     ClusterTimeoutError,
     _reachable,
-    _SigtermDefault,
     check_cluster_timeout,
 )
 
@@ -71,7 +71,7 @@ def connect_cluster(cluster, *, cluster_timeout=DEFAULT_CLUSTER_TIMEOUT):
     if cluster.is_chief:
         others = [(f"{t}:{i}", a) for t, i, a in cluster.tasks() if (t, i) != _me(cluster)]
         _wait(cluster, others, cluster_timeout, "never became reachable")
-        with _SigtermDefault():
+        with SigtermDefault():
             tf.config.experimental_connect_to_cluster(
                 spec, job_name=cluster.task_type, task_index=cluster.task_index
             )
@@ -112,7 +112,7 @@ def _serve(cluster, spec, cluster_timeout):
     # A server takes its devices from its ConfigProto, not from the process's logical
     # device configuration: pass the split on, or a `split_cpu(2)` task serves one CPU.
     config = tf.compat.v1.ConfigProto(device_count={"CPU": len(_devices.local_device_names("CPU"))})
-    with _SigtermDefault():
+    with SigtermDefault():
         server = tf.distribute.Server(
             spec, job_name=cluster.task_type, task_index=cluster.task_index, protocol="grpc", config=config
         )

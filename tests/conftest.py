@@ -4,6 +4,23 @@ TensorFlow fixes its logical devices when its runtime starts, so the split happe
 before any test touches TensorFlow. In-process tests use the first N of these 4 devices
 (`cpu_replicas=N`, pipeline stages, model-split devices); multi-worker tests run in
 subprocesses started by `tfscale.launch.run_local_cluster`.
+
+Tiers (the `slow` marker, pyproject.toml):
+- fast, `pytest -m "not slow"`: what a developer runs after every change (target: under
+  5 minutes on a quiet 2-core machine). Every module's main path, in process where it can
+  be, with one representative of each multi-process path (a 2-worker cluster, a launcher
+  restart, a kill-and-resume).
+- full, `pytest` (README's command; `.ci/run` runs it): the fast tier plus every test
+  marked `slow` -- more clusters, more kill points, the launcher and elastic variants,
+  the hostile and chaos cases. Mark a new test `slow` when it starts TensorFlow
+  subprocesses or takes more than a few seconds, and keep a quick representative of it
+  in the fast tier.
+
+The garbage-collection settings and the early exit below stay for now: tfscale frees an
+interrupted `fit`'s input by reference counting (tfscale/compat/keras_fit_position.py),
+but without them a 2-file subset (test_backup_and_restore.py + test_compat_backup.py,
+fast tier) still sat 70 s between its summary and its exit (load 11): other cycles hold
+tf.data iterators in this process, not yet found.
 """
 
 import atexit

@@ -69,11 +69,15 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize(
     "dataset, steps_per_execution, fail_step",
     [
-        ("array", 1, 16),  # last step of epoch 0 (backup at 15)
+        pytest.param("array", 1, 16, marks=pytest.mark.slow),  # last step of epoch 0 (backup at 15)
         ("array", 1, 22),  # epoch 1, backup at 20 = step 4 of epoch 1
         ("tfdata_reshuffle", 1, 38),  # reshuffles every epoch: the resumed epoch must too
-        ("tfdata_repeat", 1, 36),  # steps_per_epoch: one iterator across epochs, 35 batches in
-        ("array", 2, 33),  # steps_per_execution=2: backups at 6, 16, 26, ... (every 2nd execution)
+        pytest.param(
+            "tfdata_repeat", 1, 36, marks=pytest.mark.slow
+        ),  # steps_per_epoch: one iterator across epochs, 35 batches in
+        pytest.param(
+            "array", 2, 33, marks=pytest.mark.slow
+        ),  # steps_per_execution=2: backups at 6, 16, 26, ... (every 2nd execution)
     ],
 )
 def test_resumes_mid_epoch_exactly(tmp_path, reference, dataset, steps_per_execution, fail_step):
@@ -474,6 +478,7 @@ def test_user_files_in_backup_dir_survive_a_run_that_deletes_its_backups(tmp_pat
     assert re.search(r"also holds 2 entries tfscale did not write .*left untouched", caplog.text)
 
 
+@pytest.mark.slow
 def test_tfscale_train_with_backup_dir_equal_to_model_dir_keeps_user_files(tmp_path):
     from tfscale.datasets import digits
 
@@ -712,7 +717,7 @@ print("still alive", flush=True)
 """
 
 
-@pytest.mark.parametrize("failed_fits", [1, 2])
+@pytest.mark.parametrize("failed_fits", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sigterm_ends_the_process_after_a_fit_that_raised(tmp_path, failed_fits):
     import signal
 
@@ -729,6 +734,7 @@ def test_sigterm_ends_the_process_after_a_fit_that_raised(tmp_path, failed_fits)
         assert proc.wait(timeout=30) == -signal.SIGTERM
 
 
+@pytest.mark.slow
 def test_preemption_still_saves_in_a_fit_after_one_that_raised(tmp_path):
     code = _SIGTERM_CHILD.format(
         tests=os.path.dirname(__file__), failed_fits=1, backup_dir=str(tmp_path / "b"), then_preempted=True

@@ -81,6 +81,7 @@ def test_writes_off_the_training_thread_from_a_copy_and_never_more_than_save_fre
         assert all(np.array_equal(a, b) for a, b in zip(model_arrays, record.weights[step]))
 
 
+@pytest.mark.slow
 def test_background_write_error_raises_at_next_step_and_keeps_last_backup(small_tmpfs):
     backup_dir = small_tmpfs / "b"
     steps = workers.step_counter()
@@ -158,7 +159,10 @@ def test_backup_of_the_synchronous_writer_resumes_exactly_with_async(tmp_path, r
     assert max_diff(resumed, reference()) <= 1e-6
 
 
-@pytest.mark.parametrize(("dataset", "steps_per_execution"), [("array", 2), ("tfdata_reshuffle", 1)])
+@pytest.mark.parametrize(
+    ("dataset", "steps_per_execution"),
+    [("array", 2), pytest.param("tfdata_reshuffle", 1, marks=pytest.mark.slow)],
+)
 def test_early_snapshots_resume_mid_epoch_exactly(tmp_path, reference, dataset, steps_per_execution):
     # Early snapshots land mid-epoch, at steps that are not multiples of save_freq, under
     # steps_per_execution and with an input that reshuffles each epoch: the resume is exact.

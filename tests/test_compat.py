@@ -4,6 +4,9 @@ The multi-worker behaviour the fixes exist for is tested on real clusters in
 tests/test_multi_worker.py (with and without the fix).
 """
 
+import signal
+import subprocess
+import sys
 from unittest import mock
 
 import _foundation_workers as workers
@@ -88,3 +91,54 @@ def test_global_batch_not_divisible_by_replicas_trains():
     assert run["history"]["loss"][1] < run["history"]["loss"][0]
     for got, want in zip(run["weights"], reference["weights"]):
         np.testing.assert_allclose(got, want, atol=2e-2)
+
+
+# What TensorFlow's preemption notifier does from a runtime thread (a C-level SIGTERM
+# handler that keeps the process alive; SIG_IGN here), inside `SigtermDefault`; then a
+# real SIGTERM once the action reads as the default again (a bounded wait).
+_SIGTERM_CHILD = """
+import ctypes, importlib.util, os, signal, sys, threading, time
+# The module alone (it imports nothing of TensorFlow; the package would, ~5 s).
+spec = importlib.util.spec_from_file_location("tf_sigterm", sys.argv[1])
+tf_sigterm = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tf_sigterm)
+libc = ctypes.CDLL(None)
+libc.signal.restype = ctypes.c_void_p
+libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+def action():
+    old = ctypes.create_string_buffer(512)  # struct sigaction; its handler comes first
+    assert libc.sigaction(signal.SIGTERM, None, old) == 0
+    return ctypes.c_void_p.from_buffer(old).value or 0
+assert tf_sigterm.available()
+with tf_sigterm.SigtermDefault():
+    installer = threading.Thread(target=libc.signal, args=(signal.SIGTERM, ctypes.c_void_p(1)))
+    installer.start()
+    installer.join()
+    deadline = time.monotonic() + 30
+    while action() != 0 and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+    threading.Event().wait(30)
+print("survived SIGTERM")
+"""
+
+
+def test_sigterm_default_undoes_a_c_level_handler_installed_meanwhile():
+    import tfscale.compat.tf_sigterm
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_CHILD, tfscale.compat.tf_sigterm.__file__],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr[-2000:]
+
+
+def test_the_profiler_barrier_is_available_and_a_single_process_only_syncs():
+    from tfscale.compat import tf_barrier
+
+    assert tf_barrier.available()
+    # One process: pending ops only (no coordination service to ask).
+    assert tf_barrier.quiesce("tfscale-test", multi_worker=False, timeout_s=5) is True

@@ -51,7 +51,8 @@ def test_fix_is_version_gated(version, fixed_in, needed):
         assert keras_optimizer.needed(version) is needed
 
 
-@pytest.mark.parametrize("replicas", [2, 4])
+# Every option on 2 replicas in the fast tier; 4 replicas (the same code path) in the full run.
+@pytest.mark.parametrize("replicas", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("option", sorted(workers.OPTIONS))
 def test_mirrored_matches_one_device(option, replicas):
     got = _train("mirrored", option, cpu_replicas=replicas)

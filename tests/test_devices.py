@@ -42,11 +42,11 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize(
     ("name", "options", "num_devices"),
     [
-        ("pipeline", {"num_stages": 2, "num_microbatches": 2}, 2),
-        ("model_split", {"num_devices": 2}, 2),
-        ("mirrored", {"cpu_replicas": 2}, 2),
-        ("one_device", {}, 1),
-        ("auto", {}, 1),
+        ("pipeline", {"num_stages": 2, "num_microbatches": 2}, 2),  # the fast tier's fresh process
+        pytest.param("model_split", {"num_devices": 2}, 2, marks=pytest.mark.slow),
+        pytest.param("mirrored", {"cpu_replicas": 2}, 2, marks=pytest.mark.slow),
+        pytest.param("one_device", {}, 1, marks=pytest.mark.slow),
+        pytest.param("auto", {}, 1, marks=pytest.mark.slow),
     ],
 )
 def test_default_devices_work_in_a_fresh_process(name, options, num_devices, tmp_path):

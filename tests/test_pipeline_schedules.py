@@ -80,10 +80,19 @@ def _kind_for(kind, schedule, num_stages, virtual_stages):
     return kind + "8" if num_stages * virtual_stages > _LAYERS[kind] else kind
 
 
+# Fast tier: every schedule on every MLP shape and on the smallest CNN; the full run adds
+# the other CNN shapes (the same schedule code, 3-12 s each).
+_SHAPES = [
+    pytest.param(kind, stages, micro, id=f"{kind}-{stages}-{micro}", marks=() if fast else pytest.mark.slow)
+    for kind in ("mlp", "cnn")
+    for stages in (2, 4)
+    for micro in (4, 8)
+    for fast in [kind == "mlp" or (stages, micro) == (2, 4)]
+]
+
+
 @pytest.mark.parametrize(("schedule", "virtual_stages"), _NEW, ids=["interleaved-v2", "zb-h1"])
-@pytest.mark.parametrize("num_microbatches", [4, 8])
-@pytest.mark.parametrize("num_stages", [2, 4])
-@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize(("kind", "num_stages", "num_microbatches"), _SHAPES)
 def test_new_schedules_train_like_unsplit_model(kind, num_stages, num_microbatches, schedule, virtual_stages):
     kind = _kind_for(kind, schedule, num_stages, virtual_stages)
     history, weights = _reference(kind)

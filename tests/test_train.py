@@ -4,7 +4,6 @@ import glob
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -107,20 +106,13 @@ def test_gradient_compression_flag_trains_within_one_percent_of_uncompressed(one
 
 @pytest.fixture(scope="module")
 def multi_worker(data_dir, tmp_path_factory):
-    """The QUICK flags as a 2-worker cluster, the binary in each process."""
-    for attempt in (1, 2):
-        model_dir = str(tmp_path_factory.mktemp("multi_worker"))
-        command = [sys.executable, "-m", "tfscale.train", *QUICK, "--strategy=multi_worker"]
-        command += [f"--data_dir={data_dir}", f"--model_dir={model_dir}", "--profile_steps=4:6"]
-        tasks = run_local_cluster(command, 2, env=CHILD_ENV, timeout=300, check=False, failure_grace=10)
-        if all(t.ok for t in tasks):
-            return [_results(t.log)[0] for t in tasks], model_dir
-        # TensorFlow's profiler under MultiWorkerMirroredStrategy crashes a worker now and then
-        # (SIGSEGV / "double free or corruption"; README: CommunicationProfiler). One more
-        # attempt for that crash only, said in the output; anything else fails here.
-        crashed = [t for t in tasks if t.returncode in (-signal.SIGSEGV, -signal.SIGABRT)]
-        assert crashed and attempt == 1, "\n".join(t.log[-3000:] for t in tasks)
-        print(f"multi_worker fixture: {crashed[0].returncode} in a worker (TF profiler crash); retrying once")
+    """The QUICK flags as a 2-worker cluster, the binary in each process (profiled, steps 4-6)."""
+    model_dir = str(tmp_path_factory.mktemp("multi_worker"))
+    command = [sys.executable, "-m", "tfscale.train", *QUICK, "--strategy=multi_worker"]
+    command += [f"--data_dir={data_dir}", f"--model_dir={model_dir}", "--profile_steps=4:6"]
+    tasks = run_local_cluster(command, 2, env=CHILD_ENV, timeout=300, check=False, failure_grace=10)
+    assert all(t.ok for t in tasks), "\n".join(t.log[-3000:] for t in tasks)
+    return [_results(t.log)[0] for t in tasks], model_dir
 
 
 @pytest.mark.slow
@@ -336,6 +328,31 @@ def test_linear_scaling_with_warmup_reaches_lr_times_replicas(data_dir):
     history = train(config).history
     # Ramp over 2 x 24 steps from 0.01 to 0.02: halfway (+24/48) after epoch 1, full after epoch 2.
     np.testing.assert_allclose(history["learning_rate"], [0.01 + 0.01 * 24 / 48, 0.02], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "strategy, options",
+    [("default", {}), ("pipeline", {}), ("model_split", {"num_devices": 2})],
+)
+def test_profile_steps_works_with_strategies_that_place_their_own_devices(
+    strategy, options, data_dir, tmp_path
+):
+    # The default strategy (and the model-parallel models on it) has no `worker_devices`:
+    # `--strategy=pipeline --profile_steps=2:3` ended in a traceback (issue 32).
+    config = TrainConfig(
+        strategy=strategy,
+        strategy_options=options,
+        epochs=1,
+        steps_per_epoch=3,
+        data_dir=data_dir,
+        model_dir=str(tmp_path),
+        profile_steps="2:3",
+        verbose=0,
+    )
+    train(config)
+    with open(tmp_path / "profile" / "communication-local.json") as f:
+        report = json.load(f)
+    assert report["profiled_steps"] == [2, 3] and report["allreduce_launches_per_step"] == 0
 
 
 # Lines that say nothing about the job: TensorFlow's start-up lines, Keras's and TFDS's

@@ -521,9 +521,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         wait_for_directory(self.backup_dir, current=self._writer)
         self._check_backup_dir()
         epoch_iterator = keras_fit_position.find_epoch_iterator(self.model)
-        self._tracker = (
-            keras_fit_position.InputTracker(epoch_iterator) if epoch_iterator is not None else None
-        )
+        self._tracker = None
+        if epoch_iterator is not None:
+            self._tracker = keras_fit_position.InputTracker(epoch_iterator)
+            # A `fit` that raises would otherwise keep its tf.data iterator in Keras's own
+            # reference cycle until a full garbage collection (see the compat module).
+            keras_fit_position.release_input_after_fit(self.model, epoch_iterator)
         backup, _ = self._store.load_newest(check=_check_consistent)
         if self._multi_worker and not _backup_cluster.all_agree(
             strategy, backup.meta["global_step"] if backup else -1

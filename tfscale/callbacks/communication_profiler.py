@@ -11,11 +11,14 @@ import tensorflow as tf
 
 from tfscale.callbacks import _step_split
 from tfscale.cluster import ClusterSpec
-from tfscale.compat import profiler_xplane
+from tfscale.compat import profiler_xplane, tf_barrier
 
 __all__ = ["CommunicationProfiler"]
 
 _log = logging.getLogger("tfscale")
+# Workers reach the same step within one all-reduce of each other; a peer that is gone
+# fails the barrier at once (coordination service), so this bounds only a stuck peer.
+_BARRIER_TIMEOUT_S = 300
 
 
 def _task_label(strategy):
@@ -73,15 +76,17 @@ class CommunicationProfiler(keras.callbacks.Callback):
         self.profile_steps = steps
         self.report = None
         self._step, self._started = 0, None
+        self._fits = 0  # `fit` calls so far: part of each barrier's name, the same on every worker
 
     def on_train_begin(self, logs=None):
         self._step, self._started, self.report = 0, None, None
+        self._fits += 1
 
     def on_train_batch_begin(self, batch, logs=None):
         self._step += 1
         if self._step == self.profile_steps[0]:
             self._trace_dir = os.path.join(self.log_dir, _task_label(self.model.distribute_strategy))
-            _settle()
+            self._quiesce("start")
             tf.profiler.experimental.start(self._trace_dir)
             self._started = time.perf_counter()
 
@@ -93,13 +98,22 @@ class CommunicationProfiler(keras.callbacks.Callback):
         if self._started is not None:  # `fit` ended inside the profiled range.
             self._finish(self._step - self.profile_steps[0] + 1)
 
+    def _quiesce(self, what):
+        """Starts or stops the profiler only when no collective runs anywhere (`tf_barrier`)."""
+        multi_worker = ClusterSpec.from_strategy(self.model.distribute_strategy).is_multi_worker
+        tf_barrier.quiesce(
+            f"tfscale-profiler-{what}-{self._fits}-{self._step}",
+            multi_worker=multi_worker,
+            timeout_s=_BARRIER_TIMEOUT_S,
+        )
+
     def _finish(self, steps):
         wall = time.perf_counter() - self._started
-        _settle()
+        self._quiesce("stop")
         tf.profiler.experimental.stop()
         self._started = None
         strategy = self.model.distribute_strategy
-        local_replicas = len(strategy.extended.worker_devices)
+        local_replicas = _local_replicas(strategy)
         path = profiler_xplane.latest_trace(self._trace_dir)
         events = profiler_xplane.trace_events(path)
         launches = profiler_xplane.collective_events(path)
@@ -123,8 +137,9 @@ class CommunicationProfiler(keras.callbacks.Callback):
         with open(os.path.join(self.log_dir, f"communication-{task}.json"), "w") as f:
             json.dump(self.report, f, indent=1)
         spec = ClusterSpec.from_strategy(strategy)
+        self._quiesce("written")  # every worker's JSON is on disk before the chief reads them
         if spec.is_writer or not spec.is_multi_worker:
-            _plot_workers(self.log_dir, spec.num_workers)
+            _plot_workers(self.log_dir)
         _log.info(
             "tfscale: all-reduce %.0f%% of step time, %.2f MB/step in %.2f launches; input %.0f%%, "
             "compute %.0f%% (steps %d-%d, %s)",
@@ -157,30 +172,26 @@ def _gradient_bytes_per_step(model, strategy):
     return size / (getattr(model.optimizer, "gradient_accumulation_steps", None) or 1)
 
 
-def _settle(seconds=0.1):
-    """Lets the last step's collective callbacks finish before the profiler starts or stops.
+def _local_replicas(strategy):
+    """Replicas in this process: the strategy's worker devices, else (default strategy) its replicas.
 
-    Under `multi_worker` (TF 2.21, 2 processes on loopback) a worker crashed now and then
-    ("double free or corruption", SIGSEGV) when the profiler started or stopped while the
-    collective executor's completion callbacks of the step just returned still ran on
-    their thread; a 0.1 s pause outside the timed steps made it go away here.
+    The default strategy (one device, and the `pipeline` / `model_split` models that place
+    their parts themselves) raises RuntimeError for `worker_devices`.
     """
-    time.sleep(seconds)
+    try:
+        return len(strategy.extended.worker_devices)
+    except RuntimeError:
+        return strategy.num_replicas_in_sync
 
 
 def _mean(steps, key):
     return sum(s[key] for s in steps) / len(steps) if steps else 0.0
 
 
-def _plot_workers(log_dir, num_workers, wait_s=30.0):
-    """On the chief: the stacked bars of every worker whose JSON arrives within `wait_s`."""
-    pattern = os.path.join(log_dir, "communication-*.json")
-    deadline = time.monotonic() + wait_s
-    # Workers finish the same profiled steps within one all-reduce of each other.
-    while len(glob.glob(pattern)) < num_workers and time.monotonic() < deadline:
-        time.sleep(0.2)
+def _plot_workers(log_dir):
+    """On the chief: the stacked bars of every worker whose JSON is in `log_dir` (all written by now)."""
     reports = []
-    for path in sorted(glob.glob(pattern)):
+    for path in sorted(glob.glob(os.path.join(log_dir, "communication-*.json"))):
         with open(path) as f:
             reports.append(json.load(f))
     _step_split.plot(reports, os.path.join(log_dir, "communication.png"))

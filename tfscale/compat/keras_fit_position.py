@@ -22,13 +22,15 @@ Supported: the TensorFlow backend's `TFEpochIterator`, where `fit` calls
 Checked on Keras 3.0 to 3.15.1 with TensorFlow 2.16 to 2.21. Private names used:
 `Model._initial_epoch` (also what Keras's own `BackupAndRestore` sets), and
 `EpochIterator._get_iterator`, `._enumerate_iterator`, `._steps_seen`,
-`._current_iterator`. Gate: `supported(epoch_iterator)` -- Keras 3 and every one of
+`._current_iterator`, and (`release_input_after_fit`) `._epoch_iterator` and `fit`'s local
+`callbacks`. Gate: `supported(epoch_iterator)` -- Keras 3 and every one of
 these present; otherwise no tracker is made, and a mid-epoch backup is refused with
 one line instead of resumed wrongly (epoch-boundary backups still work).
 tests/test_compat_backup.py fails when any of them changes meaning.
 """
 
 import inspect
+import weakref
 
 import keras
 
@@ -37,6 +39,7 @@ __all__ = [
     "InputTracker",
     "find_epoch_iterator",
     "fit_on_stack",
+    "release_input_after_fit",
     "set_initial_epoch",
     "supported",
 ]
@@ -82,24 +85,32 @@ def find_epoch_iterator(model):
 class InputTracker:
     """Tracks and replays the input position of one `fit` call's epoch iterator.
 
+    Holds the epoch iterator only weakly, and the methods it shadows on it reach back to
+    the tracker and the iterator only weakly too: a tracker makes no reference cycle, so
+    a `fit` that raises frees its input (a tf.data iterator) by reference counting.
+
     Args:
         epoch_iterator: the `TFEpochIterator` found by `find_epoch_iterator`.
         iterators_made: iterators made before this `fit` call (from a backup).
     """
 
     def __init__(self, epoch_iterator, iterators_made=0):
-        self._it = epoch_iterator
+        self._ref = weakref.ref(epoch_iterator)
         self.iterators_made = iterators_made
         self._replay = None
-        original = epoch_iterator._get_iterator
+        tracker, ref, get_iterator = weakref.ref(self), self._ref, type(epoch_iterator)._get_iterator
 
         def _counted_get_iterator():
-            self.iterators_made += 1
-            return original()
+            if tracker() is not None:
+                tracker().iterators_made += 1
+            return get_iterator(ref())
 
         # Instance attributes shadow the methods for this one iterator object only.
         epoch_iterator._get_iterator = _counted_get_iterator
-        self._original_get_iterator = original
+
+    @property
+    def _it(self):
+        return self._ref()
 
     @property
     def steps_per_execution(self):
@@ -118,20 +129,22 @@ class InputTracker:
 
     def resume(self, *, step, iterators_made, live, batches_taken):
         """Makes the next epoch of `fit` start at `step` with the input where it was."""
+        it = self._it
         drop = max(0, iterators_made - 1 if live else iterators_made)
         for _ in range(drop):
-            iter(self._original_get_iterator())
+            iter(type(it)._get_iterator(it))
         self.iterators_made += drop
         if step or (live and batches_taken):
             self._replay = (step, batches_taken if live else 0)
-            original = type(self._it)._enumerate_iterator.__get__(self._it)
-            self._it._enumerate_iterator = lambda: self._resumed_epoch(original)
+            tracker, enumerate_epoch = weakref.ref(self), type(it)._enumerate_iterator
+            it._enumerate_iterator = lambda: tracker()._resumed_epoch(enumerate_epoch)
 
-    def _resumed_epoch(self, original):
-        del self._it._enumerate_iterator  # one epoch only; later epochs are Keras's own
+    def _resumed_epoch(self, enumerate_epoch):
+        it = self._it
+        del it._enumerate_iterator  # one epoch only; later epochs are Keras's own
         step, taken = self._replay
-        spe = self._it.steps_per_execution
-        generator = original()
+        spe = it.steps_per_execution
+        generator = enumerate_epoch(it)
         try:
             item = next(generator)
             for _ in range(taken):
@@ -141,10 +154,42 @@ class InputTracker:
         except (StopIteration, RuntimeError):
             return  # The input is shorter than when the backup was made.
         # The loop above counted `spe` batches per step it skipped; the truth is `taken`.
-        self._it._steps_seen = taken + spe
+        it._steps_seen = taken + spe
+        del it
         yield item
         yield from generator
 
     def close(self):
-        self._it.__dict__.pop("_get_iterator", None)
-        self._it.__dict__.pop("_enumerate_iterator", None)
+        it = self._it
+        if it is not None:
+            it.__dict__.pop("_get_iterator", None)
+            it.__dict__.pop("_enumerate_iterator", None)
+
+
+def release_input_after_fit(model, epoch_iterator):
+    """Breaks Keras's own cycle through `epoch_iterator` once the running `fit` has gone.
+
+    Keras 3 (checked 3.15.1) keeps the epoch's generator in `EpochIterator._epoch_iterator`
+    and that generator's frame holds the iterator: a cycle that, when `fit` raises
+    mid-epoch, keeps the tf.data iterator until a full garbage collection, whose
+    destructor then blocks up to a minute (TF 2.21). `fit`'s `CallbackList` (its local
+    `callbacks`) is freed when `fit` has returned or its exception has been dropped; at
+    that moment this drops the generator, and reference counting frees the input.
+    Reproducer: tests/test_compat_backup.py (plain Keras keeps it; this frees it).
+    Returns False (and does nothing) where `fit`'s frame has no such local.
+    """
+    frame = next(_fit_frames(model, inspect.currentframe()), None)
+    callbacks = frame.f_locals.get("callbacks") if frame is not None else None
+    if callbacks is None or not hasattr(epoch_iterator, "_epoch_iterator"):
+        return False
+    try:
+        weakref.finalize(callbacks, _drop_epoch_generator, weakref.ref(epoch_iterator))
+    except TypeError:  # a list, or another object without weak references
+        return False
+    return True
+
+
+def _drop_epoch_generator(ref):
+    epoch_iterator = ref()
+    if epoch_iterator is not None:
+        epoch_iterator._epoch_iterator = None

@@ -79,7 +79,7 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
     def __init__(self, models, name=None):
         super().__init__(name=name or f"{models[0].name}_data_parallel")
         self.primary = models[0]
-        self._others = _Others(models[1:], Replicas([m.trainable_variables for m in models]))
+        self._others = _Others(models[1:], Replicas([[m] for m in models]))
         self.built = True
 
     @property
@@ -134,6 +134,10 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
         replicas.apply(replicas.all_reduce(gradients))
         keras_compile_loss.update_loss_tracker(self, tf.add_n(terms), tf.shape(x)[0])
         return self.compute_metrics(x, y, tf.concat(y_preds, axis=0), sample_weight=sample_weight)
+
+    def get_layer(self, name=None, index=None):
+        """A layer of replica 0 (the user's layers), by name or index: e.g. to freeze it."""
+        return self.primary.get_layer(name=name, index=index)
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Writes replica 0's weights file (the user's model's layout)."""

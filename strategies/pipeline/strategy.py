@@ -257,7 +257,7 @@ class PipelineStrategy:
                 f"Invalid value for argument `pipelined`: model {getattr(pipelined, 'name', pipelined)!r} "
                 "was not returned by PipelineStrategy.split(). Expected the model split() returned."
             )
-        return _parts.merge(plan.origin, pipelined.unsplit_model)
+        return _parts.merge(plan.origin, pipelined.unsplit_model, compiled=pipelined)
 
     def report(self, pipelined):
         """Per device, read from each variable's device: layers, params and param bytes."""

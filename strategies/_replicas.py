@@ -31,7 +31,16 @@ from tfscale.strategies._devices import device_key
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._placement import place_slots_with_variables, variable_device
 
-__all__ = ["Replicas", "check_data_parallel", "group_devices"]
+__all__ = ["Replicas", "check_data_parallel", "draw_as_whole_batch", "group_devices"]
+
+# Layers whose training output draws random numbers of the input's shape, row by row.
+_RANDOM_LAYERS = (
+    keras.layers.Dropout,  # and SpatialDropout1D/2D/3D
+    keras.layers.GaussianDropout,
+    keras.layers.GaussianNoise,
+    keras.layers.AlphaDropout,
+)
+_WHOLE_BATCH = "_tfscale_whole_batch"
 
 
 def check_data_parallel(data_parallel, per_replica, devices_here, *, count_argument):
@@ -150,6 +159,15 @@ class Replicas:
             place_slots_with_variables(copy)
             copy.build(variables)
             self.optimizers.append(copy)
+        if optimizer.built and self.size > 1:
+            # Built by an earlier fit for other trainable variables (Keras refuses it too).
+            mine = [tuple(v.shape) for v in _own_state(optimizer)]
+            if mine != [tuple(v.shape) for v in self.optimizers[1].variables]:
+                raise StrategyError(
+                    f"Optimizer {optimizer.name!r} was built for other trainable variables than the "
+                    "model trains now (a layer's `trainable` changed). Expected a new optimizer "
+                    "instance in compile() after changing `trainable`, as Keras requires."
+                )
 
     def all_reduce(self, gradients):
         """Sums each variable's gradient over the replicas; returns one summed list per replica.
@@ -192,13 +210,16 @@ class Replicas:
                 target.assign(source.value)
         if self.optimizers is None or not self.optimizers[0].built:
             return
-        primary = self.optimizers[0]
-        shared = primary.learning_rate if isinstance(primary.learning_rate, keras.Variable) else None
-        # The copies read the primary's learning rate, so they do not hold one of their own.
-        sources = [v for v in primary.variables if v is not shared]
+        sources = _own_state(self.optimizers[0])
         for optimizer in self.optimizers[1:]:
             for target, source in zip(optimizer.variables, sources):
                 target.assign(source.value if isinstance(source, keras.Variable) else source)
+
+
+def _own_state(optimizer):
+    """`optimizer`'s variables but a learning-rate variable (its copies read that one)."""
+    shared = optimizer.learning_rate if isinstance(optimizer.learning_rate, keras.Variable) else None
+    return [v for v in optimizer.variables if v is not shared]
 
 
 class _LearningRateOf:
@@ -233,6 +254,40 @@ def _layer_tree(holders):
     for holder in holders:
         walk(holder)
     return found
+
+
+def draw_as_whole_batch(holders, index, count):
+    """Makes replica `index` of `count` draw its random layers' numbers as one device does.
+
+    One device draws one Dropout mask (Gaussian noise, ...) of the whole batch's shape;
+    replica r holds rows [r*b, (r+1)*b) of it. Each replica's seed generator is in the same
+    state as one device's, so in training each of its random layers is run on its rows
+    placed in a batch of zeros of the whole batch's size, and keeps its rows of the output:
+    the same numbers as one device, bit for bit, for D x the layer's (elementwise) work.
+    """
+    for layer in _layer_tree(holders):
+        if isinstance(layer, _RANDOM_LAYERS) and not getattr(layer.call, _WHOLE_BATCH, False):
+            _draw_as_whole_batch(layer, index, count)
+
+
+def _draw_as_whole_batch(layer, index, count):
+    call = layer.call
+
+    def whole_batch(inputs, training=False, **kwargs):
+        if training is None or (isinstance(training, bool) and not training):
+            return call(inputs, training=training, **kwargs)
+        rows = tf.shape(inputs)[0]
+        rest = tf.shape(inputs)[1:]
+        before = tf.zeros(tf.concat([[index * rows], rest], 0), inputs.dtype)
+        after = tf.zeros(tf.concat([[(count - index - 1) * rows], rest], 0), inputs.dtype)
+        outputs = call(tf.concat([before, inputs, after], 0), training=training, **kwargs)
+        mine = outputs[index * rows : (index + 1) * rows]
+        mine.set_shape(inputs.shape)
+        return mine
+
+    setattr(whole_batch, _WHOLE_BATCH, True)
+    # Layers track the attributes they are given; a bound method is not state, so bypass that.
+    object.__setattr__(layer, "call", whole_batch)
 
 
 def _position_keys(variables):

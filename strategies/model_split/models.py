@@ -10,7 +10,7 @@ from tfscale.compat import keras_compile_loss
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._loss_split import loss_reduction, slice_weights
 from tfscale.strategies._placement import on_device, place_slots_with_variables
-from tfscale.strategies._replicas import Replicas, SyncedReplicas
+from tfscale.strategies._replicas import Replicas, SyncedReplicas, draw_as_whole_batch
 
 __all__ = ["DataParallelSplit", "SplitFunctional", "SplitSequential"]
 
@@ -80,6 +80,8 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
         super().__init__(name=name or f"{models[0].name}_data_parallel")
         self.primary = models[0]
         self._others = _Others(models[1:], Replicas([[m] for m in models]))
+        for r, model in enumerate(models):
+            draw_as_whole_batch([model], r, len(models))  # Dropout's masks: one device's
         self.built = True
 
     @property

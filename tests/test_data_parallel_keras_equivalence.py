@@ -154,12 +154,7 @@ def test_freeze_train_unfreeze_train_again(mode):
     _assert_equal(got, expected, got_w, expected_w)
 
 
-_TENSOR_DROPS_TRAINABLE = pytest.mark.xfail(
-    reason="issue 24 case 4: tensor split's split layers drop trainable=False (branch eq-split)", strict=False
-)
-
-
-@pytest.mark.parametrize("mode", _modes(tensor=[_TENSOR_DROPS_TRAINABLE]))
+@pytest.mark.parametrize("mode", _modes())
 def test_frozen_before_split_stays_frozen_in_every_copy(mode):
     def build():
         model = _mlp()

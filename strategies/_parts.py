@@ -5,12 +5,16 @@ parameters live (`report`) and give back the unsplit model with the trained weig
 (`merge`); these are the shared bodies of the last two.
 """
 
+import logging
+
 import keras
 import tensorflow as tf
 
 from tfscale.strategies._placement import TolerantClass, copy_state, device_of
 
 __all__ = ["Origin", "merge", "report"]
+
+_log = logging.getLogger("tfscale")
 
 
 class Origin:
@@ -28,11 +32,15 @@ class Origin:
         self.names = [layer.name for layer in model.layers]
 
 
-def merge(origin, split_model):
+def merge(origin, split_model, compiled=None):
     """A new model of `origin`'s architecture holding `split_model`'s weights, by layer name.
 
     A split layer with `full_weights()` (tensor split) gives its unsplit weights; any
-    other gives all its state (`copy_state`: weights and seed-generator states).
+    other gives all its state (`copy_state`: weights and seed-generator states). Each
+    layer keeps the split one's `trainable` flag. When `compiled` (the model `split`
+    returned) is compiled, the merged model is compiled the same way and its optimizer
+    holds `compiled`'s optimizer state (iterations, learning rate, slots), so `fit` on it
+    continues as the split model would (and as plain Keras does).
     """
     with keras.saving.custom_object_scope(origin.custom_objects):
         merged = origin.cls.from_config(origin.config)
@@ -47,7 +55,88 @@ def merge(origin, split_model):
             layer.set_weights(part.full_weights())
         else:
             copy_state(part, layer)
+        layer.trainable = part.trainable
+    if compiled is not None:
+        _carry_optimizer(compiled, split_model, merged)
     return merged
+
+
+def _carry_optimizer(compiled, split_model, merged):
+    """Compiles `merged` as `compiled` is and copies `compiled`'s optimizer state into it.
+
+    Slots are matched through the names Keras gives them (`add_variable_from_reference`:
+    the model variable's path, "/" as "_", then the slot's name), a tensor-split layer's
+    shards gathered by its own `full_weights`; the other optimizer variables (iterations,
+    learning rate, loss scale) by name.
+    """
+    if not getattr(compiled, "compiled", False) or getattr(compiled, "optimizer", None) is None:
+        return
+    try:
+        merged.compile_from_config(compiled.get_compile_config())
+    except (TypeError, ValueError) as error:  # e.g. a custom loss Keras cannot rebuild
+        _log.warning(
+            "merge: the merged model is not compiled (%s: %s); compile it to train it, "
+            "without the split model's optimizer state.",
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+        )
+        return
+    source, target = compiled.optimizer, getattr(merged, "optimizer", None)
+    if target is None or not source.built:
+        return  # A class that overrides compile() (Keras then skips it), or nothing trained yet.
+    if not target.built:
+        target.build(merged.trainable_variables)
+    sources = {v.name: v for v in source.variables}
+    done = set()
+    for layer in merged.layers:
+        if not layer.weights:
+            continue
+        part = split_model.get_layer(layer.name)
+        for value, target_slot in _slots(part, layer, sources, target.variables):
+            target_slot.assign(value)
+            done.add(id(target_slot))
+    for variable in target.variables:
+        found = sources.get(variable.name)
+        if id(variable) not in done and found is not None and tuple(found.shape) == tuple(variable.shape):
+            variable.assign(found.value)
+
+
+def _slot_prefix(variable):
+    return variable.path.replace("/", "_") + "_"
+
+
+def _slots(part, layer, sources, targets):
+    """(a slot's value in the split optimizer, the merged optimizer's slot it becomes)."""
+    for weight_index, variable in enumerate(layer.weights):
+        prefix = _slot_prefix(variable)
+        for target_slot in targets:
+            if not target_slot.name.startswith(prefix):
+                continue
+            suffix = target_slot.name[len(prefix) :]
+            if hasattr(part, "full_weights"):
+                value = _gathered(part, suffix, sources)
+                value = None if value is None else value[weight_index]
+            else:
+                found = sources.get(_slot_prefix(part.weights[weight_index]) + suffix)
+                value = None if found is None else found.value
+            if value is not None:
+                yield value, target_slot
+
+
+def _gathered(part, suffix, sources):
+    """A tensor-split layer's slots named `suffix`, gathered like its weights (or None)."""
+    found = [sources.get(_slot_prefix(shard) + suffix) for shard in part.weights]
+    if any(slot is None for slot in found):
+        return None
+    # `full_weights` gathers the shards' values: give it the slots' for a moment.
+    kept = [shard.value.numpy() for shard in part.weights]
+    try:
+        for shard, slot in zip(part.weights, found):
+            shard.assign(slot.value)
+        return part.full_weights()
+    finally:
+        for shard, value in zip(part.weights, kept):
+            shard.assign(value)
 
 
 def report(layers, devices):

@@ -26,11 +26,21 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfscale.compat import keras_weight_decay
 from tfscale.strategies._devices import device_key
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._placement import place_slots_with_variables, variable_device
 
-__all__ = ["Replicas", "check_data_parallel", "group_devices"]
+__all__ = ["Replicas", "check_data_parallel", "draw_as_whole_batch", "group_devices"]
+
+# Layers whose training output draws random numbers of the input's shape, row by row.
+_RANDOM_LAYERS = (
+    keras.layers.Dropout,  # and SpatialDropout1D/2D/3D
+    keras.layers.GaussianDropout,
+    keras.layers.GaussianNoise,
+    keras.layers.AlphaDropout,
+)
+_WHOLE_BATCH = "_tfscale_whole_batch"
 
 
 def check_data_parallel(data_parallel, per_replica, devices_here, *, count_argument):
@@ -70,31 +80,94 @@ def _unpack(flat, shapes):
 
 
 class Replicas:
-    """D copies of one model's trainable variables, their optimizers, and the gradient sum.
+    """D copies of one model's layers, their optimizers, and the gradient sum.
 
     Args:
-        variables: per replica, the trainable variables in one fixed order (the same
-            layer and weight at the same index in every replica).
+        replicas: per replica, the objects (layers, or whole models) that hold its state,
+            aligned: the same layer at the same index in every replica. Each one's
+            `trainable_variables` and `variables` are read when needed, so a layer frozen
+            or unfrozen (then compiled again, as Keras asks) changes what is trained.
     """
 
-    def __init__(self, variables):
-        self.variables = [list(vs) for vs in variables]
-        self.size = len(self.variables)
-        positions = [_position_keys(vs) for vs in self.variables]
-        if any(len(vs) != len(self.variables[0]) for vs in self.variables):
-            raise StrategyError("Replicas of a data-parallel model must have the same variables.")
-        # Variable i is at device position `positions[0][i]` in every replica (same part).
-        self.positions = positions[0]
+    def __init__(self, replicas):
+        self.holders = [list(rs) for rs in replicas]
+        self.size = len(self.holders)
+        self._trees = [_layer_tree(holders) for holders in self.holders]
+        kinds = [[type(layer) for layer in tree] for tree in self._trees]
+        if any(k != kinds[0] for k in kinds) or any(
+            len(vs) != len(self.variables[0]) for vs in self.variables
+        ):
+            raise StrategyError("Replicas of a data-parallel model must have the same layers and variables.")
         self.optimizers = None  # replicas 1..D-1; replica 0 uses the model's own optimizer
 
+    @property
+    def variables(self):
+        """Per replica, its trainable variables in one fixed order (what is differentiated)."""
+        return [[v for holder in holders for v in holder.trainable_variables] for holders in self.holders]
+
+    @property
+    def state(self):
+        """Per replica, all its variables: weights, statistics and seed-generator states."""
+        return [[v for holder in holders for v in holder.variables] for holders in self.holders]
+
+    @property
+    def positions(self):
+        """Variable i is at device position `positions[i]` in every replica (same part)."""
+        return _position_keys(self.variables[0])
+
+    def check_layers(self):
+        """Refuses layers whose training differs when each replica sees 1/D of the batch.
+
+        Raises:
+            StrategyError: a trainable BatchNormalization (it normalises by batch statistics).
+        """
+        if self.size == 1:
+            return
+        for layer in self._trees[0]:
+            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+                raise StrategyError(
+                    f"Layer {layer.name!r} (BatchNormalization) would normalise each copy's 1/{self.size} "
+                    f"of the batch by that part's mean and variance under data_parallel={self.size}, not "
+                    "by the whole batch's as one device does (outputs, loss and moving statistics would "
+                    "differ). Expected data_parallel=1, the layer frozen (trainable=False: it then uses "
+                    "its moving statistics, exactly as one device), or LayerNormalization."
+                )
+
+    def follow_trainable(self):
+        """Gives every replica's layers and variables replica 0's `trainable` flags."""
+        for tree in self._trees[1:]:
+            for source, target in zip(self._trees[0], tree):
+                if target.trainable != source.trainable:
+                    target.trainable = source.trainable  # Keras sets the nested layers too
+        for variables in self.state[1:]:
+            for source, target in zip(self.state[0], variables):
+                target.trainable = source.trainable
+
     def make_optimizers(self, optimizer):
-        """Gives replicas 1..D-1 an optimizer like `optimizer` (slots beside their variables)."""
+        """Gives replicas 1..D-1 an optimizer like `optimizer` (slots beside their variables).
+
+        Each copy reads `optimizer`'s learning-rate variable, so a callback that sets
+        `model.optimizer.learning_rate` sets it for every replica; its weight-decay
+        exclusions name the copy's own variables.
+        """
         self.optimizers = [optimizer]
         for variables in self.variables[1:]:
             copy = type(optimizer).from_config(optimizer.get_config())
+            if isinstance(optimizer.learning_rate, keras.Variable):
+                copy.learning_rate = _LearningRateOf(optimizer)
+            keras_weight_decay.copy_exclusions(optimizer, copy, zip(self.variables[0], variables))
             place_slots_with_variables(copy)
             copy.build(variables)
             self.optimizers.append(copy)
+        if optimizer.built and self.size > 1:
+            # Built by an earlier fit for other trainable variables (Keras refuses it too).
+            mine = [tuple(v.shape) for v in _own_state(optimizer)]
+            if mine != [tuple(v.shape) for v in self.optimizers[1].variables]:
+                raise StrategyError(
+                    f"Optimizer {optimizer.name!r} was built for other trainable variables than the "
+                    "model trains now (a layer's `trainable` changed). Expected a new optimizer "
+                    "instance in compile() after changing `trainable`, as Keras requires."
+                )
 
     def all_reduce(self, gradients):
         """Sums each variable's gradient over the replicas; returns one summed list per replica.
@@ -128,17 +201,93 @@ class Replicas:
             optimizer.apply_gradients(zip(grads, variables))
 
     def sync(self):
-        """Copies replica 0's variables (and optimizer state, once built) into the others."""
+        """Copies replica 0's state (all its variables, and its optimizer's once built) into
+        the others: weights, statistics, and the seed-generator states Dropout draws from."""
         if self.size == 1:
             return
-        for variables in self.variables[1:]:
-            for target, source in zip(variables, self.variables[0]):
+        for variables in self.state[1:]:
+            for target, source in zip(variables, self.state[0]):
                 target.assign(source.value)
         if self.optimizers is None or not self.optimizers[0].built:
             return
+        sources = _own_state(self.optimizers[0])
         for optimizer in self.optimizers[1:]:
-            for target, source in zip(optimizer.variables, self.optimizers[0].variables):
+            for target, source in zip(optimizer.variables, sources):
                 target.assign(source.value if isinstance(source, keras.Variable) else source)
+
+
+def _own_state(optimizer):
+    """`optimizer`'s variables but a learning-rate variable (its copies read that one)."""
+    shared = optimizer.learning_rate if isinstance(optimizer.learning_rate, keras.Variable) else None
+    return [v for v in optimizer.variables if v is not shared]
+
+
+class _LearningRateOf:
+    """A copy's learning rate: the variable of the optimizer it copies, read at each step."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __call__(self):
+        return self.optimizer.learning_rate
+
+
+def _layer_tree(holders):
+    """Every layer in `holders` and nested in them (attributes, lists, dicts), in one order."""
+    found, seen = [], set()
+
+    def walk(value):
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, keras.layers.Layer):
+            found.append(value)
+            for attribute in vars(value).values():
+                walk(attribute)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+
+    for holder in holders:
+        walk(holder)
+    return found
+
+
+def draw_as_whole_batch(holders, index, count):
+    """Makes replica `index` of `count` draw its random layers' numbers as one device does.
+
+    One device draws one Dropout mask (Gaussian noise, ...) of the whole batch's shape;
+    replica r holds rows [r*b, (r+1)*b) of it. Each replica's seed generator is in the same
+    state as one device's, so in training each of its random layers is run on its rows
+    placed in a batch of zeros of the whole batch's size, and keeps its rows of the output:
+    the same numbers as one device, bit for bit, for D x the layer's (elementwise) work.
+    """
+    for layer in _layer_tree(holders):
+        if isinstance(layer, _RANDOM_LAYERS) and not getattr(layer.call, _WHOLE_BATCH, False):
+            _draw_as_whole_batch(layer, index, count)
+
+
+def _draw_as_whole_batch(layer, index, count):
+    call = layer.call
+
+    def whole_batch(inputs, training=False, **kwargs):
+        if training is None or (isinstance(training, bool) and not training):
+            return call(inputs, training=training, **kwargs)
+        rows = tf.shape(inputs)[0]
+        rest = tf.shape(inputs)[1:]
+        before = tf.zeros(tf.concat([[index * rows], rest], 0), inputs.dtype)
+        after = tf.zeros(tf.concat([[(count - index - 1) * rows], rest], 0), inputs.dtype)
+        outputs = call(tf.concat([before, inputs, after], 0), training=training, **kwargs)
+        mine = outputs[index * rows : (index + 1) * rows]
+        mine.set_shape(inputs.shape)
+        return mine
+
+    setattr(whole_batch, _WHOLE_BATCH, True)
+    # Layers track the attributes they are given; a bound method is not state, so bypass that.
+    object.__setattr__(layer, "call", whole_batch)
 
 
 def _position_keys(variables):
@@ -152,9 +301,11 @@ def _position_keys(variables):
 class SyncedReplicas:
     """Mixin for a `keras.Model` with data-parallel replicas (`self._data_parallel()`).
 
-    Makes the replicas' optimizers when `fit` starts, and copies replica 0 (the model Keras
-    saves and restores) into the others before the first step of each `fit` -- after the
-    callbacks' `on_train_begin`, where a backup is restored -- and after `set_weights` and
+    When the first step of a compiled model runs (after the callbacks' `on_train_begin`,
+    where a backup is restored), the replicas take replica 0's `trainable` flags, layers
+    that cannot train exactly on 1/D of the batch are refused, and the replicas'
+    optimizers are made; replica 0 (the model Keras saves and restores) is copied into
+    the others before the first step of each `fit`, and after `set_weights` and
     `load_weights`.
     """
 
@@ -170,12 +321,16 @@ class SyncedReplicas:
         function = self.train_function  # Keras 3 sets it (and returns nothing)
         if self._data_parallel().size == 1 or getattr(function, "_tfscale_syncs", False):
             return function
+        prepared = []  # Once per train function: Keras makes a new one at each compile.
 
         def synced(iterator):
             replicas = self._data_parallel()
-            if replicas.optimizers is None or replicas.optimizers[0] is not self.optimizer:
-                replicas.make_optimizers(self.optimizer)  # first step, or compiled again
+            if not prepared:
+                replicas.follow_trainable()
+                replicas.check_layers()
+                replicas.make_optimizers(self.optimizer)
                 self._tfscale_sync_pending = True
+                prepared.append(True)
             if getattr(self, "_tfscale_sync_pending", True):
                 replicas.sync()
                 self._tfscale_sync_pending = False

@@ -15,7 +15,7 @@ from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._loss_split import loss_reduction, slice_weights
 from tfscale.strategies._parts import merge
 from tfscale.strategies._placement import on_device, place_slots_with_variables
-from tfscale.strategies._replicas import Replicas, SyncedReplicas
+from tfscale.strategies._replicas import Replicas, SyncedReplicas, draw_as_whole_batch
 from tfscale.strategies.model_split.layers import ModelSplitError, ShardGroup
 
 __all__ = ["DataParallelSplit", "SplitFunctional", "SplitSequential"]
@@ -292,7 +292,9 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
     def __init__(self, models, name=None):
         super().__init__(name=name or f"{models[0].name}_data_parallel")
         self.primary = models[0]
-        self._others = _Others(models[1:], Replicas([m.trainable_variables for m in models]))
+        self._others = _Others(models[1:], Replicas([[m] for m in models]))
+        for r, model in enumerate(models):
+            draw_as_whole_batch([model], r, len(models))  # Dropout's masks: one device's
         self.built = True
         replicas, make = self._others.replicas, self._others.replicas.make_optimizers
 
@@ -388,6 +390,10 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
             "D copies are not one Keras model. Expected strategy.merge(model).save(path) (the "
             "unsplit model; split it again after load_model), or model.save_weights(path)."
         )
+
+    def get_layer(self, name=None, index=None):
+        """A layer of replica 0 (the user's layers), by name or index: e.g. to freeze it."""
+        return self.primary.get_layer(name=name, index=index)
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Writes replica 0's weights file (the user's model's layout)."""

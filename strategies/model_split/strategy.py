@@ -183,7 +183,7 @@ class ModelSplitStrategy:
                 "returned by this strategy's split(). Expected the model split() returned."
             )
         primary = getattr(split_model, "primary", split_model)
-        return _parts.merge(self._origins[split_model], primary)
+        return _parts.merge(self._origins[split_model], primary, compiled=split_model)
 
     def report(self, split_model):
         """Per device, read from each variable's device: layers, params and param bytes.

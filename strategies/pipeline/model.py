@@ -37,7 +37,7 @@ class _Plan:
         self.virtual_stages = virtual_stages
         self.replicas = replicas  # per data-parallel replica, its stages (replica 0: `stages`)
         self.data_parallel = _replicas.Replicas(
-            [[v for stage in r for v in stage.trainable_variables] for r in replicas]
+            [[layer for stage in r for layer in stage.layers] for r in replicas]
         )
         self.schedule = schedule
         self.num_microbatches = num_microbatches
@@ -293,6 +293,10 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         from tfscale.strategies.pipeline import plan
 
         return plan.plan_report(self, x, y, sample_weight=sample_weight)
+
+    def get_layer(self, name=None, index=None):
+        """A layer of the unsplit model (replica 0's), by name or index: e.g. to freeze it."""
+        return self.unsplit_model.get_layer(name=name, index=index)
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Writes the unsplit model's weights file (loadable by the user's original model)."""

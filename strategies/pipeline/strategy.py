@@ -28,7 +28,7 @@ from tfscale.strategies._devices import available_devices, device_key, device_ty
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._options import positive_int, reject_unknown
 from tfscale.strategies._placement import clone_chain, model_input, variable_device
-from tfscale.strategies._replicas import check_data_parallel, group_devices
+from tfscale.strategies._replicas import check_data_parallel, draw_as_whole_batch, group_devices
 from tfscale.strategies.pipeline import schedules
 from tfscale.strategies.pipeline.batchnorm import DeferredBatchNorm
 
@@ -226,6 +226,11 @@ class PipelineStrategy:
             # Replicas 1..D-1: untracked copies (replica 0 is the model Keras saves).
             devices = schedules.stage_devices(group, self.num_stages * self.virtual_stages)
             replicas.append(self._stages(clone_chain(layers, counts, devices, inputs)[0], counts, devices))
+        if self.data_parallel > 1 and self.num_microbatches == 1:
+            # One call per step and copy: each copy's Dropout draws its rows of one device's mask
+            # (with M > 1 every micro-batch draws anew, data parallel or not).
+            for r, stages in enumerate(replicas):
+                draw_as_whole_batch([layer for stage in stages for layer in stage.layers], r, len(replicas))
         origin = _parts.Origin(model)
         # Deferred statistics are gathered over one replica's micro-batches: with D > 1 each
         # replica's BatchNorm moves once per micro-batch, as Keras would (documented).
@@ -257,7 +262,7 @@ class PipelineStrategy:
                 f"Invalid value for argument `pipelined`: model {getattr(pipelined, 'name', pipelined)!r} "
                 "was not returned by PipelineStrategy.split(). Expected the model split() returned."
             )
-        return _parts.merge(plan.origin, pipelined.unsplit_model)
+        return _parts.merge(plan.origin, pipelined.unsplit_model, compiled=pipelined)
 
     def report(self, pipelined):
         """Per device, read from each variable's device: layers, params and param bytes."""

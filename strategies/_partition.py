@@ -115,6 +115,13 @@ def _functional_chain(model, config):
     # The serialized config is the public description of the graph: each layer lists the
     # producers of its inputs (`keras_history`), in topological order.
     inputs, outputs = config["input_layers"], config["output_layers"]
+    for kind, spec in (("input", inputs), ("output", outputs)):
+        if isinstance(spec, dict):
+            raise BalanceError(
+                f"Cannot cut model {model.name!r} into a chain: its {kind}s are a dict {sorted(spec)}; "
+                f"a chain has one plain {kind}. Build it with {kind}s=<the tensor> (and compile with "
+                "one loss, no dict of losses or loss_weights)."
+            )
     if _count_tensors(inputs) != 1 or _count_tensors(outputs) != 1:
         raise BalanceError(
             f"Cannot cut model {model.name!r} into a chain: it has {_count_tensors(inputs)} "
@@ -132,6 +139,13 @@ def _functional_chain(model, config):
             previous = name
             continue
         _check_link(model, entry, previous, consumers)
+        if name not in {layer.name for layer in model.layers}:
+            raise BalanceError(
+                f"Cannot cut model {model.name!r} into a chain at {name!r}: it is a raw operation "
+                f"({entry['class_name']}, e.g. a keras.ops call), not a Layer, so it cannot be "
+                "placed on a device. Use a layer instead (keras.layers.Activation, or the call "
+                "inside a Layer subclass)."
+            )
         layers.append(model.get_layer(name))
         previous = name
     return layers

@@ -26,6 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfscale.strategies import _gradients
 from tfscale.strategies._devices import device_key
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._placement import place_slots_with_variables, variable_device
@@ -107,8 +108,13 @@ class Replicas:
         summed = [list(gs) for gs in gradients]
         for position in dict.fromkeys(self.positions):
             index = [i for i, p in enumerate(self.positions) if p == position]
-            shapes = [tuple(self.variables[0][i].shape) for i in index]
             devices = [variable_device(vs[index[0]]) for vs in self.variables]
+            sparse = [i for i in index if any(isinstance(gs[i], tf.IndexedSlices) for gs in gradients)]
+            _gather_sparse(sparse, gradients, devices, summed)
+            index = [i for i in index if i not in sparse]
+            if not index:
+                continue
+            shapes = [tuple(self.variables[0][i].shape) for i in index]
             packed = []
             for device, grads in zip(devices, gradients):
                 with tf.device(device), tf.name_scope("data_parallel/pack"):
@@ -139,6 +145,18 @@ class Replicas:
         for optimizer in self.optimizers[1:]:
             for target, source in zip(optimizer.variables, self.optimizers[0].variables):
                 target.assign(source.value if isinstance(source, keras.Variable) else source)
+
+
+def _gather_sparse(index, gradients, devices, summed):
+    """Each sparse gradient of `index`: every replica's rows, concatenated in replica order.
+
+    As the tape adds sparse gradients: the optimizer gets the whole batch's rows, in batch
+    order, as on one device (`_gradients`); a sum of dense rows would change Adam's update.
+    """
+    for r, device in enumerate(devices):
+        with tf.device(device), tf.name_scope("data_parallel/all_reduce"):
+            for i in index:
+                summed[r][i] = _gradients.add_n([gs[i] for gs in gradients])
 
 
 def _position_keys(variables):

@@ -150,15 +150,29 @@ def _masked_model():
     )
 
 
-@pytest.mark.parametrize("num_microbatches", [1, 4])
-def test_masked_timestep_output_trains_and_evaluates_as_in_keras(num_microbatches):
+@pytest.mark.parametrize(
+    ("options", "reduction", "weighted"),
+    [
+        ({"num_microbatches": 1}, "sum_over_batch_size", False),
+        ({"num_microbatches": 4}, "sum_over_batch_size", False),
+        ({"num_microbatches": 2, "data_parallel": 2}, "sum_over_batch_size", True),
+        ({"num_microbatches": 4}, "mean_with_sample_weight", True),
+    ],
+)
+def test_masked_timestep_output_trains_and_evaluates_as_in_keras(options, reduction, weighted):
     x, y = _sequences()
+    weights = np.linspace(0.5, 2.0, x.size).reshape(x.shape).astype("float32") if weighted else None
+    loss = keras.losses.MeanSquaredError(reduction=reduction)
     reference = _masked_model()
-    history_ref = _fit(reference, x, y, keras.optimizers.SGD(0.1), metrics=["mae"])
-    pipelined = tfscale.strategies.get(
-        "pipeline", num_stages=2, num_microbatches=num_microbatches, balance=[2, 1]
-    ).split(_masked_model())
-    history = _fit(pipelined, x, y, keras.optimizers.SGD(0.1), metrics=["mae"])
+    history_ref = _fit(
+        reference, x, y, keras.optimizers.SGD(0.1), loss=loss, metrics=["mae"], sample_weight=weights
+    )
+    pipelined = tfscale.strategies.get("pipeline", num_stages=2, balance=[2, 1], **options).split(
+        _masked_model()
+    )
+    history = _fit(
+        pipelined, x, y, keras.optimizers.SGD(0.1), loss=loss, metrics=["mae"], sample_weight=weights
+    )
     _assert_same(reference, pipelined, history_ref, history, x)
     _assert_same_weights(reference, pipelined)
     evaluated = pipelined.evaluate(x, y, batch_size=8, verbose=0)
@@ -245,11 +259,11 @@ def test_add_loss_in_call_is_refused_before_the_first_step(recompute):
 # -- 11. BatchNormalization()(x, training=False) in a functional chain -------------------------
 
 
-def _frozen_batch_norm_model():
+def _frozen_batch_norm_model(trainable=True):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
     h = keras.layers.Dense(8, activation="relu")(inputs)
-    h = keras.layers.BatchNormalization(name="frozen_bn")(h, training=False)
+    h = keras.layers.BatchNormalization(name="frozen_bn", trainable=trainable)(h, training=False)
     return keras.Model(inputs, keras.layers.Dense(3)(h))
 
 
@@ -265,6 +279,18 @@ def test_batch_norm_called_with_training_false_trains_as_keras_does():
     assert np.any(reference.get_layer("frozen_bn").moving_mean.numpy() != 0)  # upstream behaviour
     pipelined = tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=1).split(
         _frozen_batch_norm_model()
+    )
+    history = _fit(pipelined, x, y, keras.optimizers.SGD(0.1))
+    _assert_same(reference, pipelined, history_ref, history, x)
+    _assert_same_weights(reference, pipelined)
+
+
+def test_batch_norm_frozen_by_trainable_false_is_keras_at_any_microbatches():
+    x, y = _dense_data()
+    reference = _frozen_batch_norm_model(trainable=False)
+    history_ref = _fit(reference, x, y, keras.optimizers.SGD(0.1))
+    pipelined = tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=4).split(
+        _frozen_batch_norm_model(trainable=False)
     )
     history = _fit(pipelined, x, y, keras.optimizers.SGD(0.1))
     _assert_same(reference, pipelined, history_ref, history, x)

@@ -98,11 +98,24 @@ def _embedding_reference(optimizer):
     return _references[optimizer]
 
 
-_FAST_EMBEDDING_CASES = [("adam", mode) for mode in _MODES] + [
-    (name, "1f1b_m2") for name in _OPTIMIZERS if name != "adam"
+# The fast tier: every mode once (Adam), and the other optimizer families in one pipeline.
+_FAST_EMBEDDING_CASES = [
+    ("adam", "1f1b_m2"),
+    ("adam", "1f1b_m2_dp2"),
+    ("adam", "layer_split_dp2"),
+    ("adam", "tensor_split_dp2"),
+    ("rmsprop", "zb_h1_m2"),
+    ("sgd_clipnorm", "gpipe_m1"),
 ]
+# Tensor split clips each shard by its own norm (issue 24, item 5: the model-split work).
+_SHARDED_CLIPNORM = pytest.mark.xfail(reason="tensor split clips per shard (issue 24 item 5)", strict=True)
 _SLOW_EMBEDDING_CASES = [
-    (name, mode) for name in _OPTIMIZERS for mode in _MODES if (name, mode) not in _FAST_EMBEDDING_CASES
+    pytest.param(
+        name, mode, marks=[_SHARDED_CLIPNORM] if (name, mode) == ("sgd_clipnorm", "tensor_split_dp2") else []
+    )
+    for name in _OPTIMIZERS
+    for mode in _MODES
+    if (name, mode) not in _FAST_EMBEDDING_CASES
 ]
 
 
@@ -153,10 +166,12 @@ def _masked_model():
 @pytest.mark.parametrize(
     ("options", "reduction", "weighted"),
     [
-        ({"num_microbatches": 1}, "sum_over_batch_size", False),
+        pytest.param({"num_microbatches": 1}, "sum_over_batch_size", False, marks=pytest.mark.slow),
         ({"num_microbatches": 4}, "sum_over_batch_size", False),
-        ({"num_microbatches": 2, "data_parallel": 2}, "sum_over_batch_size", True),
-        ({"num_microbatches": 4}, "mean_with_sample_weight", True),
+        pytest.param(
+            {"num_microbatches": 2, "data_parallel": 2}, "sum_over_batch_size", True, marks=pytest.mark.slow
+        ),
+        pytest.param({"num_microbatches": 4}, "mean_with_sample_weight", True, marks=pytest.mark.slow),
     ],
 )
 def test_masked_timestep_output_trains_and_evaluates_as_in_keras(options, reduction, weighted):
@@ -322,9 +337,9 @@ def test_raw_ops_call_between_layers_is_refused_with_the_fix():
 @pytest.mark.parametrize(
     ("options", "dataset"),
     [
-        ({"num_microbatches": 4}, False),  # 22 samples, batch 8: the last batch has 6
+        pytest.param({"num_microbatches": 4}, False, marks=pytest.mark.slow),  # 22 samples, batch 8: last 6
         ({"num_microbatches": 4}, True),  # tf.data, batch 5: the last batch has 2 (< M)
-        ({"num_microbatches": 2, "data_parallel": 2}, True),
+        pytest.param({"num_microbatches": 2, "data_parallel": 2}, True, marks=pytest.mark.slow),
     ],
 )
 def test_partial_final_batch_trains_as_in_keras(options, dataset):

@@ -353,6 +353,20 @@ def test_partial_final_batch_trains_as_in_keras(options, dataset):
     _assert_same_weights(reference, pipelined)
 
 
+@pytest.mark.parametrize("options", [{"num_microbatches": 4}, {"num_microbatches": 2, "data_parallel": 2}])
+def test_batch_smaller_than_the_microbatches_leaves_batch_norm_finite(options):
+    """A final batch of 2 for D x M = 4 micro-batches: the empty ones add no gradient (a
+    BatchNormalization gives them NaN) and move no average (deferred or Keras's own)."""
+    x, y = _dense_data(samples=22)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
+    )
+    pipelined = tfscale.strategies.get("pipeline", num_stages=2, **options).split(model)
+    _fit(pipelined, x, y, keras.optimizers.SGD(0.1), batch_size=5, dataset=True)
+    assert all(np.isfinite(w).all() for w in pipelined.get_weights())
+
+
 def _mlp():
     keras.utils.set_random_seed(0)
     return keras.Sequential(

@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-__all__ = ["DeferredBatchNorm", "batch_norm_layers"]
+__all__ = ["DeferredBatchNorm", "EmptyMicrobatchGuard", "batch_norm_layers"]
 
 
 def batch_norm_layers(layers):
@@ -72,6 +72,42 @@ class DeferredBatchNorm:
             if len(record) == num_microbatches:
                 _move_averages(layer, start, record)
         return result
+
+
+class EmptyMicrobatchGuard:
+    """Keras's own per-micro-batch updates of the moving averages (deferred ones off), except
+    that an empty micro-batch -- a final batch smaller than D x M -- leaves them as they
+    were: its moments are NaN, and Keras never sees an empty batch."""
+
+    def __init__(self, layers):
+        self.layers = batch_norm_layers(layers)
+
+    def run(self, fn, num_microbatches):
+        del num_microbatches  # the same interface as `DeferredBatchNorm.run`
+        for layer in self.layers:
+            layer.call = _guarded(layer, type(layer).call.__get__(layer))
+        try:
+            return fn()
+        finally:
+            for layer in self.layers:
+                del layer.call
+
+
+def _guarded(layer, call):
+    def guarded_call(inputs, training=None, mask=None):
+        if not (training and layer.trainable):
+            return call(inputs, training=training, mask=mask)
+        averages = [layer.moving_mean, layer.moving_variance]
+        # Read before the call (auto control dependencies keep the order); in a recompute's
+        # StatelessScope these are its values.
+        before = [tf.identity(ops.convert_to_tensor(v)) for v in averages]  # a copy, not the variable
+        outputs = call(inputs, training=training, mask=mask)
+        empty = tf.equal(tf.size(inputs), 0)
+        for variable, value in zip(averages, before):
+            variable.assign(tf.where(empty, value, ops.convert_to_tensor(variable)))
+        return outputs
+
+    return guarded_call
 
 
 def _recording(layer, call, record):

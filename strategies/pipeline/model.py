@@ -31,7 +31,7 @@ class _Plan:
         virtual_stages=1,
     ):
         self.stages = stages
-        self.batch_norm = batch_norm  # a `DeferredBatchNorm`, or None: Keras's own updates
+        self.batch_norm = batch_norm  # `DeferredBatchNorm`, `EmptyMicrobatchGuard` (Keras's updates) or None
         self.virtual_stages = virtual_stages
         self.replicas = replicas  # per data-parallel replica, its stages (replica 0: `stages`)
         self.data_parallel = _replicas.Replicas(
@@ -160,7 +160,8 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         def loss_fn_of(r):
             def loss_fn(i, y_pred):
                 w = None if sws is None else sws[r][i]
-                value = loss_object(ys[r][i], y_pred, w)
+                # Keras returns an empty micro-batch's loss unreduced when its size is static.
+                value = tf.reduce_sum(loss_object(ys[r][i], y_pred, w))
                 mask = get_keras_mask(y_pred)
                 if mask is not None and reduction != "sum":
                     # Keras divides by the batch's valid steps: known once every micro-batch
@@ -181,8 +182,8 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
             def run(stages=stages, r=r):
                 return _step.run_batch(stages, self.schedule, xs[r], loss_fn_of(r), self.virtual_stages)
 
-            deferred = self._plan.batch_norm  # only with one replica (see PipelineStrategy.split)
-            outputs, _, grads = deferred.run(run, m) if deferred else run()
+            batch_norm = self._plan.batch_norm  # deferred with one replica (see PipelineStrategy.split)
+            outputs, _, grads = batch_norm.run(run, m) if batch_norm else run()
             y_preds += outputs
             gradients.append([g for gs in grads for g in gs])
         summed = self._plan.data_parallel.all_reduce(gradients)

@@ -221,12 +221,17 @@ class _Batch:
         if graph is not None:
             tf_graph_edit.pretranspose_matmul_weights(graph.get_operations()[first:], self.transposes)
         dx = grads[0] if needs_dx else None
-        self._accumulate(s, grads[len(sources) - len(variables) :], variables)
+        self._accumulate(s, i, grads[len(sources) - len(variables) :], variables)
         # The sums belong to this step: the next step of the stage waits for them too.
         return {"dx": dx, "gate": _flat_outputs([dx, self.gradients[s]])}
 
-    def _accumulate(self, s, grads, variables):
+    def _accumulate(self, s, i, grads, variables):
         grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
+        if not _never_empty(self.inputs[i]):
+            # An empty micro-batch (a final batch smaller than D x M) adds nothing; a layer
+            # with batch statistics (BatchNormalization) would give it NaN gradients.
+            empty = tf.equal(tf.shape(self.inputs[i])[0], 0)
+            grads = [g if isinstance(g, tf.IndexedSlices) else _unless(empty, g) for g in grads]
         # Summed in micro-batch order (the B or W chain guarantees it), on the stage device;
         # a sparse gradient stays sparse, its rows in batch order (`_gradients`).
         acc = self.gradients[s]
@@ -267,8 +272,16 @@ class _Batch:
                 grads += forward["tape"].gradient(y, weights, output_gradients=dy)
             else:
                 grads += tf.gradients(y, weights, grad_ys=dy)
-        self._accumulate(s, grads, self.stages[s].trainable_variables)
+        self._accumulate(s, i, grads, self.stages[s].trainable_variables)
         return {"gate": _flat_outputs(self.gradients[s])}
+
+
+def _unless(empty, gradient):
+    return tf.where(empty, tf.zeros_like(gradient), gradient)
+
+
+def _never_empty(x):
+    return x.shape.rank is not None and x.shape[0] is not None and x.shape[0] > 0
 
 
 def run_batch(stages, schedule, inputs, loss_fn, virtual_stages=1):

@@ -30,7 +30,7 @@ from tfscale.strategies._options import positive_int, reject_unknown
 from tfscale.strategies._placement import clone_chain, model_input, variable_device
 from tfscale.strategies._replicas import check_data_parallel, group_devices
 from tfscale.strategies.pipeline import schedules
-from tfscale.strategies.pipeline.batchnorm import DeferredBatchNorm
+from tfscale.strategies.pipeline.batchnorm import DeferredBatchNorm, EmptyMicrobatchGuard
 
 __all__ = ["PipelineStrategy"]
 
@@ -232,7 +232,8 @@ class PipelineStrategy:
         # Deferred statistics are gathered over one replica's micro-batches: with D > 1 each
         # replica's BatchNorm moves once per micro-batch, as Keras would (documented).
         deferred = self.deferred_batch_norm and self.data_parallel == 1
-        batch_norm = DeferredBatchNorm(copies) if deferred else None
+        every_copy = [layer for stages in replicas for stage in stages for layer in stage.layers]
+        batch_norm = DeferredBatchNorm(copies) if deferred else EmptyMicrobatchGuard(every_copy)
         return PipelinedModel(
             unsplit,
             replicas[0],

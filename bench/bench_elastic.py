@@ -87,6 +87,7 @@ def elastic_once(work, step_sleep):
     with open(usable, "w") as f:
         f.write("localhost:3\n")
     job = _Job(["--num_workers", "2:3", "--host_discovery", f"cat {usable}", "--discovery_interval", "0.5",
+                "--resize_cooldown", "0",  # the grow's own latency, not the default 30 s hold
                 "--max_restarts", "1", "--restart_backoff", "0", "--grace_period", "5",
                 *_train_args(work, step_sleep)])  # fmt: skip
     job.until("[worker:0] step 8\n")

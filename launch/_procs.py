@@ -48,9 +48,9 @@ def _signal_group(proc, sig):
         pass
 
 
-def stop(procs, grace_seconds=5.0):
+def stop(procs, grace_seconds=5.0, hurry=None):
     """Terminates the process groups of `procs`, then kills what is left after the grace period."""
-    stop_with_signal(procs, signal.SIGTERM, grace_seconds)
+    stop_with_signal(procs, signal.SIGTERM, grace_seconds, hurry)
 
 
 def describe_exit(returncode):
@@ -65,16 +65,25 @@ def describe_exit(returncode):
     return f"exit code {returncode}"
 
 
-def stop_with_signal(procs, sig, grace_seconds=5.0):
-    """Sends `sig` to the process groups of `procs` (e.g. a forwarded SIGINT); SIGKILL after the grace."""
+def stop_with_signal(procs, sig, grace_seconds=5.0, hurry=None):
+    """Sends `sig` to the process groups of `procs` (e.g. a forwarded SIGINT); SIGKILL after the grace.
+
+    `hurry`, a callable asked every 50 ms, may cut the grace: it returns the seconds left
+    from now (e.g. the launcher got SIGTERM during a long resize grace), or None.
+    """
     for p in procs:
         _signal_group(p, sig)
     deadline = time.monotonic() + grace_seconds
     for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+        while p.poll() is None and time.monotonic() < deadline:
+            cut = hurry() if hurry is not None else None
+            if cut is not None:
+                deadline, hurry = min(deadline, time.monotonic() + cut), None
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                p.wait(timeout=min(left, 0.05) if hurry is not None else left)
+            except subprocess.TimeoutExpired:
+                pass
     for p in procs:
         # SIGKILL the whole group even when the leader has exited: its children may not have.
         _signal_group(p, signal.SIGKILL)

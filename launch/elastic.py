@@ -10,10 +10,20 @@ The job runs on as many workers as are usable, between MIN and MAX:
 * a failed task fails the attempt as without elasticity (counted against
   `--max_restarts`); the next attempt uses the slots usable then, so a lost host
   shrinks the job instead of failing every restart;
-* while the job runs, discovery is polled every `--discovery_interval` seconds;
-  when it shows more usable slots (and the job is below MAX) the launcher asks
-  every task to back up and stop (SIGTERM: `BackupAndRestore` saves at the next
-  step and exits with 75) and restarts the job larger. This is not a failure.
+* while the job runs, discovery is polled every `--discovery_interval` seconds
+  (without blocking: a poll that hangs delays no exit and no signal); when it has
+  shown more usable slots on every poll for `--resize_cooldown` seconds (and the
+  job is below MAX) the launcher asks every task to back up and stop (SIGTERM:
+  `BackupAndRestore` saves at the next step and exits with 75) and restarts the
+  job larger. This is not a failure. The hold is counted from the attempt's
+  start, so a job grows at most once per `--resize_cooldown`, and an answer that
+  flaps never grows it.
+
+One discovery call runs at most `--discovery_timeout` seconds (its whole process
+group is then SIGKILLed), and a wait for MIN slots at most `--elastic_timeout`
+seconds, discovery included (but for its first call). SIGTERM, SIGINT or SIGHUP
+ends the launcher within `--grace_period` seconds in every state, a resize's
+backup included.
 
 Every change of size is logged with its reason and the new TF_CONFIGs. Tasks see
 `TFSCALE_ELASTIC_WORKERS=MIN:MAX` and `TFSCALE_ELASTIC_BATCH=global|per_replica`
@@ -23,9 +33,11 @@ Workers only: a chief, parameter servers or an evaluator make no sense in a job
 whose size changes (`MultiWorkerMirroredStrategy` is the elastic strategy).
 """
 
+import math
 import os
 import signal
 import socket
+import time
 
 from absl import flags
 
@@ -60,6 +72,7 @@ __all__ = [
 _LOCAL_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 # Seconds the tasks get to back up and exit after the launcher asked them to (a grow).
 _RESIZE_GRACE = 120.0
+_POLL_SECONDS = 0.05
 
 
 class _NumWorkersParser(flags.ArgumentParser):
@@ -106,7 +119,22 @@ def define_flags(fv):
         lower_bound=0,
         flag_values=fv,
     )
-    for name in ("elastic_timeout", "discovery_interval", "host_cooldown"):
+    flags.DEFINE_float(
+        "discovery_timeout",
+        30.0,
+        "Seconds one run of --host_discovery may take; then its process group is killed.",
+        lower_bound=0.01,
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "resize_cooldown",
+        30.0,
+        "Seconds discovery must show more usable slots on every poll before the job grows.",
+        lower_bound=0,
+        flag_values=fv,
+    )
+    names = ("elastic_timeout", "discovery_interval", "host_cooldown", "discovery_timeout", "resize_cooldown")
+    for name in names:
         # lower_bound lets nan and inf through (nan fails no comparison).
         flags.register_validator(
             name, lambda v: v < float("inf"), f"--{name} expects a finite number of seconds.", flag_values=fv
@@ -201,11 +229,21 @@ class ElasticSupervisor(supervisor.Supervisor):
         elastic_timeout: seconds to wait for `worker_range.minimum` usable slots.
         discovery_interval: seconds between discovery polls.
         host_cooldown: seconds a host that failed twice in a row is left out.
+        resize_cooldown: seconds more usable slots must show on every poll before a grow.
         **options: the `Supervisor` options.
     """
 
     def __init__(
-        self, job, discovery, *, worker_range, elastic_timeout, discovery_interval, host_cooldown, **options
+        self,
+        job,
+        discovery,
+        *,
+        worker_range,
+        elastic_timeout,
+        discovery_interval,
+        host_cooldown,
+        resize_cooldown=30.0,
+        **options,
     ):
         super().__init__(self._tasks, **options)
         self._job = job
@@ -214,11 +252,15 @@ class ElasticSupervisor(supervisor.Supervisor):
         self._timeout = elastic_timeout
         self._interval = discovery_interval
         self._cooldown = _discovery.Cooldown(host_cooldown)
+        self._hold = resize_cooldown
+        self._stop_grace = self._grace  # what a signal cuts a resize's longer grace to
         self._resizes = 0
         self._grow = None
         self._log_configs = False
         self._procs = {}
+        self._poll = None  # the discovery call in flight while an attempt runs
         self._next_poll = discovery_interval
+        self._larger = None  # (since, smallest size) of the polls showing more slots, in a row
 
     def _tasks(self, attempt):
         tasks = self._job(attempt)
@@ -228,32 +270,40 @@ class ElasticSupervisor(supervisor.Supervisor):
                 self._say(f"  worker:{index} TF_CONFIG={self._job.tf_config(index)}")
         return tasks
 
-    def _usable_world(self):
-        return _choose(self._cooldown.usable(self._discovery.hosts()), self._range.maximum)
+    def _world_of(self, hosts):
+        return _choose(self._cooldown.usable(hosts), self._range.maximum)
 
     def _wait_for_world(self):
-        """The world of the next attempt, or None (timed out: reported; or a signal)."""
-        waited = 0.0
+        """The world of the next attempt, or None (timed out: reported; or a signal).
+
+        The wait ends at `--elastic_timeout`, a discovery call in flight included (it is
+        killed then; a call gets at least 1 s).
+        """
+        started = time.monotonic()
+        deadline, first = started + self._timeout, True
         while not self._signal:
-            world = self._usable_world()
+            hosts = self._discovery.hosts(stop=lambda: self._signal, deadline=deadline)
+            if hosts is None:
+                return None  # a signal
+            world = self._world_of(hosts)
             size = sum(s for _, s in world)
             if size >= self._range.minimum:
                 return world
+            waited = time.monotonic() - started
             if waited >= self._timeout:
                 self._say(
                     f"job failed: {size} usable worker slot{'s' if size != 1 else ''}, "
                     f"--num_workers {self._range} needs at least {self._range.minimum} "
-                    f"(waited {waited:g}s, --elastic_timeout)"
+                    f"(waited {math.floor(waited * 10) / 10:.1f}s, --elastic_timeout {self._timeout:g}s)"
                 )
                 return None
-            if waited == 0.0:
+            if first:
                 self._say(
                     f"waiting for {self._range.minimum} usable worker slots ({size} now), "
                     f"up to {self._timeout:g}s"
                 )
-            step = min(self._interval, self._timeout - waited)
-            self._sleep(step)
-            waited += step
+            first = False
+            self._sleep(min(self._interval, deadline - time.monotonic()))
         return None
 
     def _use(self, world, reason):
@@ -320,26 +370,54 @@ class ElasticSupervisor(supervisor.Supervisor):
 
     def _hang_rule(self, attempt, elapsed, first_done, waiting, running, pump):  # noqa: PLR0917
         failure = super()._hang_rule(attempt, elapsed, first_done, waiting, running, pump)
-        if failure is not None or first_done is not None or len(running) < len(self._procs):
+        below_max = self._job.size < self._range.maximum
+        if failure is not None or first_done is not None or len(running) < len(self._procs) or not below_max:
+            self._drop_poll()  # no grow now: the call is not needed
             return failure
-        if elapsed < self._next_poll or self._job.size >= self._range.maximum:
+        if self._poll is None:
+            if elapsed >= self._next_poll:
+                self._poll = self._discovery.start()
             return None
-        self._next_poll = elapsed + self._interval
-        size = sum(s for _, s in self._usable_world())
+        if not self._poll.poll():
+            return None  # still running: looked at again in 50 ms; its deadline bounds it
+        size = sum(s for _, s in self._world_of(self._discovery.answer(self._poll)))
+        self._poll, self._next_poll = None, elapsed + self._interval
+        return self._maybe_grow(attempt, size)
+
+    def _maybe_grow(self, attempt, size):
+        """A `Failure` asking for a grow once `size` > the job's size held for `--resize_cooldown`."""
+        now = time.monotonic()
         if size <= self._job.size:
+            self._larger = None  # the hold starts over
             return None
-        self._grow = f"{size} usable worker slots, the job ran on {self._job.size}"
+        since, smallest = self._larger or (now, size)
+        self._larger = (since, min(smallest, size))
+        if since == now or now - since < self._hold:
+            return None  # not held long enough (two polls at least must agree)
+        self._grow = (
+            f"{self._larger[1]} usable worker slots for {now - since:.1f}s, the job ran on {self._job.size}"
+        )
         self._say(f"elastic: {self._grow}: asking every task to back up and stop (SIGTERM) to grow")
         # The attempt ends like a failure, but the tasks get time to back up, and it is not counted.
         self._grace = max(self._grace, _RESIZE_GRACE)
         return Failure(attempt, "launcher", "resize")
 
+    def _hurry(self):
+        """A signal during a resize's long grace cuts it to `--grace_period`."""
+        return self._stop_grace if self._signal else None
+
     def _run_attempt(self, attempt, total):
-        grace, self._next_poll = self._grace, self._interval
+        grace, self._next_poll, self._larger = self._grace, self._interval, None
         try:
             return super()._run_attempt(attempt, total)
         finally:
             self._grace = grace
+            self._drop_poll()  # its whole group: nothing it started outlives the attempt
+
+    def _drop_poll(self):
+        if self._poll is not None:
+            self._poll.cancel()
+            self._poll = None
 
 
 def _describe(code):
@@ -383,7 +461,9 @@ def main(fv, command, say=None):
         remote_cmd=fv.remote_cmd,
     )
     say = say or supervisor._say_stderr
-    discovery = _discovery.Discovery(fv.host_discovery, _world_from_flags(fv, worker_range), say)
+    discovery = _discovery.Discovery(
+        fv.host_discovery, _world_from_flags(fv, worker_range), say, timeout=fv.discovery_timeout
+    )
     result = ElasticSupervisor(
         job,
         discovery,
@@ -391,6 +471,7 @@ def main(fv, command, say=None):
         elastic_timeout=fv.elastic_timeout,
         discovery_interval=fv.discovery_interval,
         host_cooldown=fv.host_cooldown,
+        resize_cooldown=fv.resize_cooldown,
         max_restarts=fv.max_restarts,
         restart_backoff=fv.restart_backoff,
         grace_period=fv.grace_period,

@@ -5,6 +5,7 @@
     tfscale-launch --hosts node1,node2:2 --max_restarts 2 -- python train.py
     tfscale-launch --hosts 10.0.0.1,10.0.0.2 --remote_cmd 'ip netns exec ns{host_index}' -- python train.py
     tfscale-launch --slurm -- python train.py          # inside salloc / sbatch
+    tfscale-launch -np 4 -H node1:2,node2:2 python train.py   # Horovod's spellings (`--` optional)
 
 Exit status: 0 when the job finally succeeded, 1 when it failed on its last
 allowed attempt, 128+N when signal N stopped the launcher, 2 for bad flags.
@@ -17,6 +18,7 @@ from absl import flags
 
 from tfscale import errors
 from tfscale import flags as tfscale_flags
+from tfscale.cluster import ClusterSpec
 from tfscale.launch import _remote, elastic, jobs, supervisor
 
 __all__ = ["define_flags", "job_from_flags", "main", "run"]
@@ -78,6 +80,42 @@ def define_flags(fv):
             name, _finite_or_none, f"--{name} expects a finite number of seconds >= 0.", flag_values=fv
         )
     elastic.define_flags(fv)
+    _define_horovod_spellings(fv)
+
+
+# horovodrun's spellings: `-np N` is --num_workers, `-H` is --hosts; with either, the
+# command may follow the flags without `--`, as `horovodrun -np 2 python train.py` does.
+_HOROVOD_ALIASES = {"np": "num_workers", "H": "hosts"}
+
+
+def _define_horovod_spellings(fv):
+    for alias, name in _HOROVOD_ALIASES.items():
+        flags.DEFINE_alias(alias, name, flag_values=fv)
+
+
+def _horovod_style(options):
+    """True when the flags use `-np` or `-H` (then parsing stops at the command)."""
+    return any(a.split("=", 1)[0] in ("-np", "--np", "-H", "--H") for a in options)
+
+
+def _first_slots(fv):
+    """`--hosts` entries for the first `--num_workers` slots of `--hosts`/`--hostfile` (Horovod's -np)."""
+    spec = (
+        ClusterSpec.from_hostfile(fv.hostfile, port=fv.port)
+        if fv.hostfile is not None
+        else ClusterSpec.from_hosts(fv.hosts, port=fv.port)
+    )
+    workers = list(spec.cluster.get("worker", ()))
+    if (
+        isinstance(fv.num_workers, bool)
+        or not isinstance(fv.num_workers, int)
+        or fv.num_workers > len(workers)
+    ):
+        raise supervisor.LaunchError(
+            f"Invalid flags: `--num_workers`={fv.num_workers} with a multi-host job of {len(workers)} slots. "
+            "Expected at most the hosts' slots (`host:N`, `slots=N`): -np N starts the first N."
+        )
+    return workers[: fv.num_workers]
 
 
 def _finite_or_none(value):
@@ -101,7 +139,10 @@ def job_from_flags(fv, command):
         raise supervisor.LaunchError(
             "Invalid flags: expected at most one of `--hosts`, `--hostfile` and `--slurm`."
         )
-    if (multi_host or fv.slurm) and fv.num_workers is not None:
+    hosts = fv.hosts
+    if multi_host and fv.num_workers is not None:
+        hosts = _first_slots(fv)
+    elif fv.slurm and fv.num_workers is not None:
         raise supervisor.LaunchError(
             f"Invalid flags: `--num_workers`={fv.num_workers} with a multi-host or Slurm job. Expected the "
             "worker count from the hosts' slots (`host:N`, `slots=N`) or from Slurm."
@@ -119,8 +160,9 @@ def job_from_flags(fv, command):
         "keras_compat": fv.keras_compat,
     }
     if multi_host:
+        hostfile = None if hosts is not fv.hosts else fv.hostfile
         return jobs.HostsJob(
-            command, fv.hosts, hostfile=fv.hostfile, port=fv.port, remote_cmd=fv.remote_cmd, **topology
+            command, hosts, hostfile=hostfile, port=fv.port, remote_cmd=fv.remote_cmd, **topology
         )
     return jobs.LocalJob(command, fv.num_workers or 1, **topology)
 
@@ -152,13 +194,15 @@ def parse(argv, fv):
     if any(a in ("-h", "--help", "-help", "--helpfull") for a in options):
         print(__doc__.split("\n\n")[0] + "\n\n" + fv.get_help())
         return 0
+    horovod_style = "--" not in argv and _horovod_style(options)
     try:
         tfscale_flags.check_flagfiles(argv)
+        fv.set_gnu_getopt(not horovod_style)  # Horovod style: the first non-flag starts the command
         parsed = fv(argv)
     except flags.Error as e:
         hint = "" if "--" in argv else " (put `--` between the flags and the command)"
         return errors.report("tfscale-launch", f"{e}{hint}")
-    if "--" not in argv and parsed[1:]:
+    if "--" not in argv and parsed[1:] and not horovod_style:
         # Without it, a command's own flags would be read as ours (or refused as unknown).
         print(
             f"tfscale-launch: error: expected `--` before the command, "

@@ -247,9 +247,9 @@ class Supervisor:
         finally:
             running = list(procs.values())
             if self._signal:
-                _procs.stop_with_signal(running, self._signal, self._grace)
+                _procs.stop_with_signal(running, self._signal, self._grace, hurry=self._hurry)
             else:
-                _procs.stop(running, self._grace)
+                _procs.stop(running, self._grace, hurry=self._hurry)
             pump.join()
         return failure
 
@@ -303,6 +303,10 @@ class Supervisor:
                 if pump.silent_for(task.name) > self._heartbeat:
                     reason = f"printed nothing for {self._heartbeat:g}s (--heartbeat_timeout)"
                     return Failure(attempt, task.name, reason)
+        return None
+
+    def _hurry(self):
+        """Seconds a stop in progress is cut to now (a subclass's longer grace), or None."""
         return None
 
     def _sleep(self, seconds):

@@ -25,6 +25,7 @@ __all__ = [
     "layer_params",
     "partition",
     "tensor_producers",
+    "tensor_specs",
 ]
 
 _METHODS = ("parameters", "uniform", "time")
@@ -115,13 +116,6 @@ def _functional_chain(model, config):
     # The serialized config is the public description of the graph: each layer lists the
     # producers of its inputs (`keras_history`), in topological order.
     inputs, outputs = config["input_layers"], config["output_layers"]
-    for kind, spec in (("input", inputs), ("output", outputs)):
-        if isinstance(spec, dict):
-            raise BalanceError(
-                f"Cannot cut model {model.name!r} into a chain: its {kind}s are a dict {sorted(spec)}; "
-                f"a chain has one plain {kind}. Build it with {kind}s=<the tensor> (and compile with "
-                "one loss, no dict of losses or loss_weights)."
-            )
     if _count_tensors(inputs) != 1 or _count_tensors(outputs) != 1:
         raise BalanceError(
             f"Cannot cut model {model.name!r} into a chain: it has {_count_tensors(inputs)} "
@@ -139,23 +133,36 @@ def _functional_chain(model, config):
             previous = name
             continue
         _check_link(model, entry, previous, consumers)
-        if name not in {layer.name for layer in model.layers}:
-            raise BalanceError(
-                f"Cannot cut model {model.name!r} into a chain at {name!r}: it is a raw operation "
-                f"({entry['class_name']}, e.g. a keras.ops call), not a Layer, so it cannot be "
-                "placed on a device. Use a layer instead (keras.layers.Activation, or the call "
-                "inside a Layer subclass)."
-            )
-        layers.append(model.get_layer(name))
+        layers.append(_layer(model, entry))
         previous = name
     return layers
 
 
+def _layer(model, entry):
+    """The layer of a graph entry; a raw `keras.ops` call in the graph is not one."""
+    try:
+        return model.get_layer(entry["name"])
+    except ValueError:
+        raise BalanceError(
+            f"Cannot cut model {model.name!r} into a chain at {entry['name']!r}: it is a raw "
+            f"keras.ops call ({entry['class_name']}), not a Layer, so it cannot be placed on a "
+            "device. Wrap it in a Layer (keras.layers.Activation for an activation, or a custom "
+            "Layer whose call() makes it)."
+        ) from None
+
+
 def _count_tensors(spec):
-    # `input_layers` is [name, node, tensor] for one input, or a list of those.
+    return len(tensor_specs(spec))
+
+
+def tensor_specs(spec):
+    """The [layer name, node, tensor] entries of a config's `input_layers` / `output_layers`:
+    one entry, or a list or dict (outputs by name) of entries."""
+    if isinstance(spec, dict):
+        return [entry for value in spec.values() for entry in tensor_specs(value)]
     if spec and isinstance(spec[0], str):
-        return 1
-    return len(spec)
+        return [spec]
+    return [entry for value in spec for entry in tensor_specs(value)]
 
 
 def _check_link(model, entry, previous, consumers):

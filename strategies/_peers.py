@@ -33,9 +33,17 @@ _COLLECTIVE_TASKS = ("chief", "worker")
 
 
 class ClusterTimeoutError(StrategyError):
-    """Peers of the cluster did not start within `cluster_timeout` (a failed run, exit 1)."""
+    """Peers of the cluster did not start within `cluster_timeout` (a failed run, exit 1).
+
+    Attributes:
+        missing: the ("type", index) of each task that never started.
+    """
 
     exit_status = 1
+
+    def __init__(self, message, missing=()):
+        super().__init__(message)
+        self.missing = tuple(missing)
 
 
 def check_cluster_timeout(value):
@@ -126,7 +134,8 @@ def wait_for_peers(cluster, cluster_timeout):
                 raise ClusterTimeoutError(
                     f"Task {cluster.task_label} waited cluster_timeout={cluster_timeout:g} s for its "
                     f"peers: {', '.join(f'{label} ({a})' for label, a in pending)} never started. "
-                    "Expected every task of the cluster running (raise --cluster_timeout for slow starts)."
+                    "Expected every task of the cluster running (raise --cluster_timeout for slow starts).",
+                    missing=[tuple(label.split(":")) for label, _ in pending],
                 )
             time.sleep(_RETRY_SECONDS)
     finally:

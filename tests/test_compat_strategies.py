@@ -67,6 +67,10 @@ def test_keras_mask_reads_the_mask_embedding_attaches():
     ids = np.array([[3, 0, 1, 0]], "int32")
     out = keras.layers.Embedding(5, 2, mask_zero=True)(ids)
     np.testing.assert_array_equal(keras_mask.get_keras_mask(out), ids != 0)
+    copy = tf.identity(out)  # a new tensor (as a device hop makes) carries no mask ...
+    assert keras_mask.get_keras_mask(copy) is None
+    keras_mask.set_keras_mask(copy, ids != 0)  # ... until it is given one
+    np.testing.assert_array_equal(keras_mask.get_keras_mask(copy), ids != 0)
 
 
 def test_keras_mask_set_is_what_keras_losses_read():

@@ -12,6 +12,7 @@ Each layer keeps the math and the `get_weights()` order of its Keras counterpart
 `full_weights()` / `set_full_weights()`, so weights move between split and unsplit models.
 """
 
+import collections
 import functools
 
 import keras
@@ -28,6 +29,7 @@ __all__ = [
     "HeadParallelMultiHeadAttention",
     "ModelSplitError",
     "RowParallelDense",
+    "ShardGroup",
     "VocabParallelEmbedding",
     "is_elementwise",
 ]
@@ -59,6 +61,24 @@ def is_elementwise(activation):
         return keras.activations.get(activation) in _ELEMENTWISE
     except (TypeError, ValueError):
         return False
+
+
+class ShardGroup(collections.namedtuple("ShardGroup", ["variables", "axis"])):
+    """The K shard variables of one weight of the unsplit layer, cut along `axis`."""
+
+    def gather(self):
+        """The unsplit weight's value (numpy)."""
+        return _gather(self.variables, self.axis)
+
+    def assign(self, full):
+        """Loads the unsplit weight's value `full` into the shards."""
+        _set_shards(self.variables, full, self.axis)
+
+    @property
+    def shape(self):
+        shapes = [tuple(v.shape) for v in self.variables]
+        size = sum(shape[self.axis] for shape in shapes)
+        return (*shapes[0][: self.axis], size, *shapes[0][self.axis + 1 :])
 
 
 class _Sharded(keras.layers.Layer):
@@ -104,7 +124,16 @@ class _Sharded(keras.layers.Layer):
                         initializer=functools.partial(_constant, piece),
                     )
                 )
+        self.shard_groups.append(ShardGroup(tuple(shards), axis))
         return shards
+
+    @property
+    def shard_groups(self):
+        """One `ShardGroup` per weight of the unsplit layer, in the order it was made."""
+        if not hasattr(self, "_shard_groups"):
+            # Untracked (a plain Python list of variables would be tracked as weights again).
+            object.__setattr__(self, "_shard_groups", [])
+        return self._shard_groups
 
     def get_config(self):
         return {**super().get_config(), "devices": list(self.devices)}

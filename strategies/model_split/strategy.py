@@ -2,6 +2,8 @@
 
 import weakref
 
+import keras
+
 from tfscale.strategies import _partition, _parts
 from tfscale.strategies._devices import local_device_names, resolve_devices
 from tfscale.strategies._errors import StrategyError
@@ -142,6 +144,8 @@ class ModelSplitStrategy:
         if outcomes[0][1] is not None:
             self._whole[split] = outcomes[0][1]
         self._origins[split] = _parts.Origin(model)
+        for copy in copies:
+            copy.remember_origin(self._origins[split])
         return split
 
     def _split_on(self, model, devices, sample_input):
@@ -156,7 +160,10 @@ class ModelSplitStrategy:
         inputs = model_input(model)
         copies, placement, _ = clone_chain(layers, counts, devices, inputs)
         split = SplitSequential(
-            [model_input(model), *copies], placement=placement, name=f"{model.name}_split"
+            [model_input(model), *copies],
+            placement=placement,
+            name=f"{model.name}_split",
+            output_structure=_output_structure(model),
         )
         self.placement = _partition.describe(split.layers, counts, devices)
         return split
@@ -196,6 +203,14 @@ class ModelSplitStrategy:
                 row["split_layers"] = [name for name in row["layers"] if name not in whole]
                 row["whole_layers"] = {name: whole[name] for name in row["layers"] if name in whole}
         return rows
+
+
+def _output_structure(model):
+    """The structure of a chain's one output when it is not a bare tensor (a dict, a list)."""
+    output = None if isinstance(model, keras.Sequential) else model.output
+    if output is None or not isinstance(output, (dict, list, tuple)):
+        return None
+    return keras.tree.map_structure(lambda _: 0, output)
 
 
 def _resolve_devices(devices, num_devices, tensor_parallel, data_parallel):

@@ -3,7 +3,7 @@
 import keras
 import tensorflow as tf
 
-from tfscale.strategies._partition import graph_config, tensor_producers
+from tfscale.strategies._partition import graph_config, tensor_producers, tensor_specs
 from tfscale.strategies._placement import clone_layer, copy_state
 from tfscale.strategies._placement import model_input as _model_input
 from tfscale.strategies.model_split.layers import (
@@ -169,20 +169,16 @@ def _links(model):
         inputs[entry["name"]] = producers
         for p in producers:
             consumers.setdefault(p, []).append(entry["name"])
-    outputs = {spec[0] for spec in _output_specs(config)}
+    outputs = {spec[0] for spec in tensor_specs(config["output_layers"])}
     return [
         (p, c[0]) for p, c in consumers.items() if len(c) == 1 and inputs[c[0]] == [p] and p not in outputs
     ]
 
 
-def _output_specs(config):
-    specs = config["output_layers"]
-    return [specs] if specs and isinstance(specs[0], str) else specs
-
-
 def _split_form(layer, devices, role):
     config = layer.get_config()
-    common = {"name": layer.name, "dtype": layer.dtype_policy}
+    # `trainable` too: a frozen (pretrained) layer stays frozen once split.
+    common = {"name": layer.name, "dtype": layer.dtype_policy, "trainable": layer.trainable}
     if isinstance(layer, keras.layers.Dense):
         dense = {k: config[k] for k in ("use_bias", "kernel_initializer", "bias_initializer")}
         # The function itself: a custom one need not be registered to be found again.
@@ -263,7 +259,9 @@ def tensor_split(model, devices, tensor_layers=None):
             split = SplitSequential(layers, name=f"{model.name}_split")
         else:
             clone = keras.models.clone_model(model, clone_function=make, call_function=_call)
-            split = SplitFunctional(clone.inputs, clone.outputs, name=f"{model.name}_split")
+            # `input` / `output`: the user's structures (a dict of outputs stays a dict, so
+            # `loss` and `loss_weights` given by output name still find their outputs).
+            split = SplitFunctional(clone.input, clone.output, name=f"{model.name}_split")
     copy_weights(model.layers, split)
     for layer in model.layers:
         if layer.weights and layer.name not in roles:

@@ -198,6 +198,13 @@ class PipelineStrategy:
         from tfscale.strategies.pipeline.model import PipelinedModel
 
         layers = _partition.chain_layers(model)
+        config = _partition.graph_config(model)
+        if config is not None and isinstance(config["output_layers"], dict):
+            raise StrategyError(
+                f"Cannot pipeline model {model.name!r}: its outputs are a dict "
+                f"{sorted(config['output_layers'])}; a pipeline has one plain output. Build it with "
+                "outputs=<the tensor> (and compile with one loss, no dict of losses or loss_weights)."
+            )
         inputs = model_input(model) if model.built else None
         if inputs is None:
             raise StrategyError(

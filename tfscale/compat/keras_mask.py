@@ -1,10 +1,10 @@
 """Reading the Keras mask attached to a tensor (e.g. by `Embedding(mask_zero=True)`).
 
-Upstream gap: Keras 3 attaches masks to tensors and offers no public getter or setter;
+Upstream gap: Keras 3 attaches masks to tensors and offers no public getter;
 `MultiHeadAttention` itself reads them with `keras.src.backend.get_keras_mask`. The
-tensor-split attention must read the same mask to compute the same attention, and a pipeline
-that joins its micro-batches' outputs must attach their joined mask (`set_keras_mask`), as a
-layer would, so Keras's losses and metrics skip the padding.
+tensor-split attention must read the same mask to compute the same attention, and a layer
+split must carry it across each device hop (a hop makes new tensors, which carry no mask)
+as Keras carries it from layer to layer, with `keras.src.backend.set_keras_mask`.
 
 Checked on Keras 3.15.1 / TensorFlow 2.21 (the function exists in Keras 3.0-3.15).
 Gate: the import below (an `ImportError` names this module); `tests/test_compat_strategies.py`
@@ -22,7 +22,7 @@ def get_keras_mask(x):
 
 
 def set_keras_mask(x, mask):
-    """Attaches `mask` to tensor `x`, as a Keras layer does to its output."""
+    """Attaches `mask` to tensor `x` as Keras layers do (None clears it)."""
     from keras.src.backend import set_keras_mask as upstream
 
     upstream(x, mask)

@@ -107,15 +107,8 @@ _FAST_EMBEDDING_CASES = [
     ("rmsprop", "zb_h1_m2"),
     ("sgd_clipnorm", "gpipe_m1"),
 ]
-# Tensor split clips each shard by its own norm (issue 24, item 5: the model-split work).
-_SHARDED_CLIPNORM = pytest.mark.xfail(reason="tensor split clips per shard (issue 24 item 5)", strict=True)
 _SLOW_EMBEDDING_CASES = [
-    pytest.param(
-        name, mode, marks=[_SHARDED_CLIPNORM] if (name, mode) == ("sgd_clipnorm", "tensor_split_dp2") else []
-    )
-    for name in _OPTIMIZERS
-    for mode in _MODES
-    if (name, mode) not in _FAST_EMBEDDING_CASES
+    (name, mode) for name in _OPTIMIZERS for mode in _MODES if (name, mode) not in _FAST_EMBEDDING_CASES
 ]
 
 
@@ -125,8 +118,7 @@ def _check_embedding(optimizer, mode):
     split = tfscale.strategies.get(name, **options).split(_embedding_model())
     history = _fit(split, _TOKENS, _TARGETS, _OPTIMIZERS[optimizer]())
     _assert_same(reference, split, history_ref, history, _TOKENS)
-    if "tensor" not in mode:  # tensor split's get_weights holds shards (issue 24, item 4-5)
-        _assert_same_weights(reference, split)
+    _assert_same_weights(reference, split)  # tensor split: in the unsplit layout
 
 
 @pytest.mark.parametrize(("optimizer", "mode"), _FAST_EMBEDDING_CASES)

@@ -38,11 +38,23 @@ def loss_reduction(loss):
     return reduction
 
 
-def slice_weights(reduction, sample_weights, num_slices):
-    """w_i per slice, with sum_i w_i * loss(slice i) == loss(batch) for equal slices."""
+def slice_weights(reduction, sample_weights, num_slices, sizes=None):
+    """w_i per slice, with sum_i w_i * loss(slice i) == loss(batch).
+
+    Args:
+        reduction: from `loss_reduction`.
+        sample_weights: per slice its sample weights, or None.
+        num_slices: the number of slices.
+        sizes: per slice its number of samples (tensors), or None for equal slices.
+    """
     if reduction == "sum":
         return [1.0] * num_slices
     if reduction == "mean_with_sample_weight" and sample_weights is not None:
         total = tf.add_n([tf.reduce_sum(w) for w in sample_weights])
         return [tf.math.divide_no_nan(tf.reduce_sum(w), total) for w in sample_weights]
+    if sizes is not None:
+        # Keras's mean divides by the batch's size: a slice of n_i samples weighs n_i / N.
+        sizes = [tf.cast(n, tf.float32) for n in sizes]
+        total = tf.add_n(sizes)
+        return [tf.math.divide_no_nan(n, total) for n in sizes]
     return [1.0 / num_slices] * num_slices

@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale.compat import keras_weight_decay
+from tfscale.strategies import _gradients
 from tfscale.strategies._devices import device_key
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._placement import place_slots_with_variables, variable_device
@@ -180,8 +181,13 @@ class Replicas:
         summed = [list(gs) for gs in gradients]
         for position in dict.fromkeys(self.positions):
             index = [i for i, p in enumerate(self.positions) if p == position]
-            shapes = [tuple(self.variables[0][i].shape) for i in index]
             devices = [variable_device(vs[index[0]]) for vs in self.variables]
+            sparse = [i for i in index if any(isinstance(gs[i], tf.IndexedSlices) for gs in gradients)]
+            _gather_sparse(sparse, gradients, devices, summed)
+            index = [i for i in index if i not in sparse]
+            if not index:
+                continue
+            shapes = [tuple(self.variables[0][i].shape) for i in index]
             packed = []
             for device, grads in zip(devices, gradients):
                 with tf.device(device), tf.name_scope("data_parallel/pack"):
@@ -288,6 +294,18 @@ def _draw_as_whole_batch(layer, index, count):
     setattr(whole_batch, _WHOLE_BATCH, True)
     # Layers track the attributes they are given; a bound method is not state, so bypass that.
     object.__setattr__(layer, "call", whole_batch)
+
+
+def _gather_sparse(index, gradients, devices, summed):
+    """Each sparse gradient of `index`: every replica's rows, concatenated in replica order.
+
+    As the tape adds sparse gradients: the optimizer gets the whole batch's rows, in batch
+    order, as on one device (`_gradients`); a sum of dense rows would change Adam's update.
+    """
+    for r, device in enumerate(devices):
+        with tf.device(device), tf.name_scope("data_parallel/all_reduce"):
+            for i in index:
+                summed[r][i] = _gradients.add_n([gs[i] for gs in gradients])
 
 
 def _position_keys(variables):

@@ -73,6 +73,14 @@ def test_keras_mask_reads_the_mask_embedding_attaches():
     np.testing.assert_array_equal(keras_mask.get_keras_mask(copy), ids != 0)
 
 
+def test_keras_mask_set_is_what_keras_losses_read():
+    # Keras's loss reads the mask from y_pred: with it set, the padded step is left out.
+    y_pred = tf.constant([[[1.0], [5.0]]])
+    keras_mask.set_keras_mask(y_pred, tf.constant([[True, False]]))
+    assert keras_mask.get_keras_mask(y_pred) is not None
+    assert float(keras.losses.MeanSquaredError()(tf.zeros((1, 2, 1)), y_pred)) == 1.0
+
+
 def _graph_of(fn, *specs):
     return tf.function(fn).get_concrete_function(*specs).graph
 

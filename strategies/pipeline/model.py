@@ -1,13 +1,11 @@
 """`PipelinedModel`: a `keras.Model` whose `train_step` runs a pipeline schedule over stages."""
 
-import inspect
-import math
-
 import keras
 import tensorflow as tf
 
 from tfscale.compat import keras_compile_loss
-from tfscale.strategies import _replicas
+from tfscale.compat.keras_mask import get_keras_mask, set_keras_mask
+from tfscale.strategies import _gradients, _replicas
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._loss_split import loss_reduction as _loss_reduction
 from tfscale.strategies._loss_split import slice_weights as _microbatch_weights
@@ -33,7 +31,7 @@ class _Plan:
         virtual_stages=1,
     ):
         self.stages = stages
-        self.batch_norm = batch_norm  # a `DeferredBatchNorm`, or None: Keras's own updates
+        self.batch_norm = batch_norm  # `DeferredBatchNorm`, `EmptyMicrobatchGuard` (Keras's updates) or None
         self.virtual_stages = virtual_stages
         self.replicas = replicas  # per data-parallel replica, its stages (replica 0: `stages`)
         self.data_parallel = _replicas.Replicas(
@@ -50,10 +48,6 @@ def _split_even(x, parts):
     n = tf.shape(x)[0]
     sizes = tf.stack([(n + parts - 1 - i) // parts for i in range(parts)])
     return tf.split(x, sizes, num=parts)
-
-
-def _split_exact(value, parts):
-    return None if value is None else tf.split(value, parts)
 
 
 class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
@@ -123,7 +117,7 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         parts = _split_even(inputs, self.num_microbatches)
         outputs = _step.forward_only(self.stages, parts, training=training)
         with tf.device(self.stages[-1].device):
-            return tf.concat(outputs, axis=0)
+            return _concat_masked(outputs)
 
     def compile(self, *args, jit_compile=False, **kwargs):
         """`keras.Model.compile`; XLA is refused because it would fuse the stages' devices."""
@@ -140,61 +134,43 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         self.unsplit_model.optimizer = self.optimizer
 
     def fit(self, *args, **kwargs):
-        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
-        self._check_batches(bound.arguments)
         self._prepare_replicas()
         return super().fit(*args, **kwargs)
 
     def _data_parallel(self):
         return self._plan.data_parallel
 
-    def _check_batches(self, arguments):
-        """Fails before training when a batch of `fit` cannot be cut into M micro-batches."""
-        x, m = arguments.get("x"), self.num_microbatches * self._plan.data_parallel.size
-        if isinstance(x, tf.data.Dataset):
-            first = tf.nest.flatten(x.element_spec)[0]
-            sizes = [first.shape[0]] if first.shape.rank else []
-        elif hasattr(x, "shape") and len(x.shape):
-            n = x.shape[0]
-            split = arguments.get("validation_split") or 0.0
-            n = math.ceil(n * (1.0 - split)) if split else n
-            batch = arguments.get("batch_size") or 32
-            sizes = [min(batch, n)] + ([n % batch] if n % batch else [])
-        else:
-            return
-        d = self._plan.data_parallel.size
-        for size in sizes:
-            if size is not None and size % m and d > 1:
-                raise StrategyError(
-                    f"Invalid value for argument `data_parallel`. Received: data_parallel={d} x "
-                    f"num_microbatches={m // d} for a batch of {size} samples. Expected batch sizes "
-                    f"(and a number of samples) that are multiples of {m}."
-                )
-            if size is not None and size % m:
-                raise StrategyError(
-                    f"Invalid value for argument `num_microbatches`. Received: num_microbatches={m} "
-                    f"for a batch of {size} samples. Expected a divisor of every batch size: "
-                    "choose batch_size (and the number of samples) as multiples of it."
-                )
-
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         m, replicas = self.num_microbatches, self.replicas
         d = len(replicas)
-        batch = self._checked_batch_size(x)
-        # Replica r takes the r-th 1/D of the batch, cut into M micro-batches on its devices.
+        batch = tf.shape(x)[0]
+        # Replica r takes the r-th 1/D of the batch, cut into M micro-batches on its devices;
+        # a batch that D x M does not divide gives slices one sample apart (maybe empty).
         xs = _slices(x, d, m, [stages[0].device for stages in replicas])
         ys = _slices(y, d, m, [stages[-1].device for stages in replicas])
         sws = _slices(sample_weight, d, m, [stages[-1].device for stages in replicas])
+        reduction = _loss_reduction(self.loss)
         with tf.device(replicas[0][-1].device):
             flat_sws = None if sws is None else [w for ws in sws for w in ws]
-            weights = _microbatch_weights(_loss_reduction(self.loss), flat_sws, d * m)
-        loss_object, terms = keras_compile_loss.compiled_loss(self), []
+            sizes = [_rows(piece) for pieces in xs for piece in pieces]
+            weights = _microbatch_weights(reduction, flat_sws, d * m, sizes=sizes)
+        loss_object, terms, shares = keras_compile_loss.compiled_loss(self), [], []
 
         def loss_fn_of(r):
             def loss_fn(i, y_pred):
                 w = None if sws is None else sws[r][i]
-                value = loss_object(ys[r][i], y_pred, w) * weights[r * m + i]
+                # Keras returns an empty micro-batch's loss unreduced when its size is static.
+                value = tf.reduce_sum(loss_object(ys[r][i], y_pred, w))
+                mask = get_keras_mask(y_pred)
+                if mask is not None and reduction != "sum":
+                    # Keras divides by the batch's valid steps: known once every micro-batch
+                    # is done, so the gradients are divided by their total at the end.
+                    share = _masked_divisor(reduction, mask, w)
+                    shares.append(share)
+                    value = value * share
+                else:
+                    value = value * weights[r * m + i]
                 terms.append(value)
                 return self.optimizer.scale_loss(value)
 
@@ -206,50 +182,45 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
             def run(stages=stages, r=r):
                 return _step.run_batch(stages, self.schedule, xs[r], loss_fn_of(r), self.virtual_stages)
 
-            deferred = self._plan.batch_norm  # only with one replica (see PipelineStrategy.split)
-            outputs, _, grads = deferred.run(run, m) if deferred else run()
+            batch_norm = self._plan.batch_norm  # deferred with one replica (see PipelineStrategy.split)
+            outputs, _, grads = batch_norm.run(run, m) if batch_norm else run()
             y_preds += outputs
             gradients.append([g for gs in grads for g in gs])
         summed = self._plan.data_parallel.all_reduce(gradients)
-        regularization = []
-        for r, stages in enumerate(replicas):
-            # After the sum: the weight penalty counts once, as on one device.
-            per_stage = _regroup(summed[r], stages)
-            values = self._regularization(per_stage, stages)
-            regularization = regularization or values
-            summed[r] = [g for gs in per_stage for g in gs]
+        with tf.device(replicas[0][-1].device):
+            # 1 / (the batch's valid steps, in units of `_masked_divisor`); 0 if none is valid.
+            factor = tf.math.divide_no_nan(1.0, tf.add_n(shares)) if shares else None
+        regularization = self._finish_gradients(summed, factor)
         if d == 1:
             variables = [v for stage in replicas[0] for v in stage.trainable_variables]
             self.optimizer.apply_gradients(zip(summed[0], variables))
         else:
             self._plan.data_parallel.apply(summed)
         with tf.device(replicas[0][-1].device):
-            loss = tf.add_n(terms + regularization)
-            y_pred = tf.concat(y_preds, axis=0)
+            loss = tf.add_n(terms)
+            loss = loss if factor is None else loss * factor
+            loss = tf.add_n([loss, *regularization])
+            y_pred = _concat_masked(y_preds)
         keras_compile_loss.update_loss_tracker(self, loss, batch)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _checked_batch_size(self, x):
-        m, n = self.num_microbatches, x.shape[0]
-        d = self._plan.data_parallel.size
-        if d > 1 and n is not None and n % (d * m):
-            raise StrategyError(
-                f"Invalid value for argument `data_parallel`. Received: data_parallel={d} x "
-                f"num_microbatches={m} for a batch of {n} samples. Expected batch sizes that are "
-                f"multiples of {d * m}."
-            )
-        m *= d
-        if n is not None and n % m:
-            raise StrategyError(
-                f"Invalid value for argument `num_microbatches`. Received: num_microbatches={m} "
-                f"for a batch of {n} samples. Expected a divisor of every batch size."
-            )
-        batch = tf.shape(x)[0]
-        if n is None:
-            tf.debugging.assert_equal(
-                batch % m, 0, message=f"num_microbatches={m} must divide every batch size"
-            )
-        return batch
+    def _finish_gradients(self, summed, factor):
+        """Per replica, in place: the masked loss's division, then the weight penalty's gradient.
+
+        Returns the penalty values (replica 0's).
+        """
+        regularization = []
+        for r, stages in enumerate(self.replicas):
+            # After the sum: the weight penalty counts once, as on one device.
+            per_stage = _regroup(summed[r], stages)
+            for stage in stages if factor is not None else []:
+                with tf.device(stage.device):
+                    grads = per_stage[stage.index]
+                    per_stage[stage.index] = [_gradients.scale(g, tf.cast(factor, g.dtype)) for g in grads]
+            values = self._regularization(per_stage, stages)
+            regularization = regularization or values
+            summed[r] = [g for gs in per_stage for g in gs]
+        return regularization
 
     def _regularization(self, gradients, stages):
         """Adds each stage's weight-regularisation gradient (on its device); returns the losses."""
@@ -265,10 +236,7 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
                 # On the stage's device: outside it the penalty's gradient would read the
                 # weights onto the default device (across hosts, 2x the weights per step).
                 grads = tape.gradient(scaled, stage.trainable_variables)
-                gradients[stage.index] = [
-                    a if g is None else a + tf.convert_to_tensor(g)
-                    for a, g in zip(gradients[stage.index], grads)
-                ]
+                gradients[stage.index] = [_gradients.add(a, g) for a, g in zip(gradients[stage.index], grads)]
             losses.append(value)
         return losses
 
@@ -298,6 +266,14 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         """A layer of the unsplit model (replica 0's), by name or index: e.g. to freeze it."""
         return self.unsplit_model.get_layer(name=name, index=index)
 
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """Saves the unsplit model (the user's architecture, trained weights) as Keras does.
+
+        `keras.models.load_model` then gives the user's one-device model; split it again to
+        train it as a pipeline.
+        """
+        return self.unsplit_model.save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Writes the unsplit model's weights file (loadable by the user's original model)."""
         return self.unsplit_model.save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
@@ -310,16 +286,50 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
 
 
 def _slices(value, data_parallel, num_microbatches, devices):
-    """Per replica, the M micro-batches of its 1/D of `value`, each cut on its device."""
+    """Per replica, the M micro-batches of its 1/D of `value`, each cut on its device.
+
+    Sizes differ by at most one sample when D x M does not divide the batch (a final
+    partial batch): the loss weights follow the sizes (`_loss_split.slice_weights`).
+    """
     if value is None:
         return None
     with tf.device(devices[0]):
-        pieces = tf.split(value, data_parallel) if data_parallel > 1 else [value]
+        pieces = _split_even(value, data_parallel) if data_parallel > 1 else [value]
     out = []
     for piece, device in zip(pieces, devices):
         with tf.device(device):
-            out.append(tf.split(piece, num_microbatches))
+            out.append(_split_even(piece, num_microbatches))
     return out
+
+
+def _rows(tensor):
+    return tf.shape(tensor)[0]
+
+
+def _masked_divisor(reduction, mask, sample_weight):
+    """What Keras divides a slice's masked loss sum by, over the steps of one sample.
+
+    Keras's mean of a masked loss is sum(loss * weight) / sum(mask) (`sum(weight * mask)`
+    for "mean_with_sample_weight"); per micro-batch that divisor, scaled by one sample's
+    steps so that it stays near the micro-batch's share of the batch.
+    """
+    mask = tf.cast(mask, tf.float32)
+    steps = tf.cast(tf.reduce_prod(tf.shape(mask)[1:]), tf.float32)
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        weight = tf.cast(sample_weight, tf.float32)
+        for _ in range(len(mask.shape) - len(weight.shape)):
+            weight = tf.expand_dims(weight, -1)  # per sample, over its steps (as Keras expands it)
+        mask = mask * weight
+    return tf.reduce_sum(mask) / steps
+
+
+def _concat_masked(outputs):
+    """The micro-batches' outputs as one batch, with their Keras masks (if any) joined too."""
+    y = tf.concat(outputs, axis=0)
+    masks = [get_keras_mask(o) for o in outputs]
+    if all(mask is not None for mask in masks):
+        set_keras_mask(y, tf.concat(masks, axis=0))
+    return y
 
 
 def _regroup(flat, stages):

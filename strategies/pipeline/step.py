@@ -26,10 +26,13 @@ serialising chain (`_needed`), where a control edge would make a dead op live (T
 Grappler drops them even then, measured: the filter keeps the split from relying on it).
 """
 
+import keras
 import tensorflow as tf
 
 from tfscale.compat import tf_graph_edit
+from tfscale.strategies import _gradients
 from tfscale.strategies._devices import device_type
+from tfscale.strategies._errors import StrategyError
 from tfscale.strategies.pipeline import schedules
 from tfscale.strategies.pipeline.schedules import Kind, Op
 
@@ -37,14 +40,21 @@ __all__ = ["Stage", "forward_only", "run_batch"]
 
 
 class Stage:
-    """One pipeline stage: its consecutive layers and its device (not tracked by Keras)."""
+    """One pipeline stage: its consecutive layers and its device (not tracked by Keras).
 
-    def __init__(self, index, layers, device, recompute=False, serial=False):
+    `call_kwargs`: per layer, the constant keyword arguments the user's functional model
+    passes to it. As in Keras 3's functional model (`functional.operation_fn`), the
+    `training` of the call wins over one recorded there: `BatchNormalization()(x,
+    training=False)` trains in training mode under `fit` (Keras 3.15).
+    """
+
+    def __init__(self, index, layers, device, recompute=False, serial=False, *, call_kwargs=None):
         self.index = index
         self.layers = list(layers)
         self.device = device
         self.recompute = recompute
         self.serial = serial
+        self.call_kwargs = list(call_kwargs or [{} for _ in self.layers])
         # The transposed-weight rewrite helps Eigen's CPU MatMul only (see tf_graph_edit).
         self.pretranspose = device_type(device) == "CPU"
 
@@ -53,23 +63,63 @@ class Stage:
         return [v for layer in self.layers for v in layer.trainable_variables]
 
     def call(self, x, training):
-        def run(inputs):
-            for layer in self.layers:
-                inputs = layer(inputs, training=training)
-            return inputs
-
         if self.recompute and training:
             # Keeps only the stage input; the backward re-runs the forward for the rest.
-            return tf.recompute_grad(run)(x)
-        return run(x)
+            return _recomputed(self, x, training)
+        return self.call_layers(x, training)[-1]
 
-    def call_layers(self, x, training):
+    def call_layers(self, x, training, check_losses=True):
         """Each layer's output, in order (the last is the stage's output); no recompute."""
         outputs = []
-        for layer in self.layers:
-            x = layer(x, training=training)
+        for layer, kwargs in zip(self.layers, self.call_kwargs):
+            x = layer(x, **{**kwargs, "training": training})
+            if check_losses:
+                _refuse_added_losses(layer.name, len(layer.losses) - _regularized(layer))
             outputs.append(x)
         return outputs
+
+
+def _regularized(layer):
+    return sum(1 for w in layer.trainable_weights if getattr(w, "regularizer", None) is not None)
+
+
+def _refuse_added_losses(name, added):
+    """Fails (while the step is traced, before it runs) when a layer called `add_loss`."""
+    if added > 0:
+        raise StrategyError(
+            f"Layer {name!r} adds a loss in call() (`add_loss`), which a pipeline computes per "
+            "micro-batch and cannot add up to Keras's whole-batch value. Expected layers without "
+            "add_loss: compute that term in the compiled loss, or use a weight regularizer."
+        )
+
+
+def _recomputed(stage, x, training):
+    """`stage`'s forward under `tf.recompute_grad`, its state updates made once.
+
+    The backward's second forward must see the state the first one saw: the same Dropout
+    masks (seed generators), so the gradient is that of the loss computed; and it must not
+    move BatchNormalization's averages again. Both forwards run in a `keras.StatelessScope`
+    that starts from the state read before the first; only the first's updates are kept.
+    """
+    state = [v for layer in stage.layers for v in layer.variables if not v.trainable]
+    start = [tf.identity(v.value) for v in state]
+    calls = []
+
+    def forward(inputs):
+        first = not calls
+        calls.append(first)
+        with keras.StatelessScope(state_mapping=list(zip(state, start)), collect_losses=True) as scope:
+            y = stage.call_layers(inputs, training, check_losses=False)[-1]
+        # In the scope, `add_loss` values go to `scope.losses` (weight penalties do not).
+        _refuse_added_losses(", ".join(layer.name for layer in stage.layers), len(scope.losses))
+        if first:
+            for variable, value in zip(state, start):
+                new = scope.get_current_value(variable)
+                if new is not value:
+                    variable.assign(new)
+        return y
+
+    return tf.recompute_grad(forward)(x)
 
 
 def _differentiable(x):
@@ -77,7 +127,8 @@ def _differentiable(x):
 
 
 def _flat_outputs(result):
-    return [t for t in tf.nest.flatten(result) if isinstance(t, tf.Tensor)]
+    # expand_composites: a sparse gradient gates its step through its values and indices.
+    return [t for t in tf.nest.flatten(result, expand_composites=True) if isinstance(t, tf.Tensor)]
 
 
 def _needed(operations, results):
@@ -170,15 +221,21 @@ class _Batch:
         if graph is not None:
             tf_graph_edit.pretranspose_matmul_weights(graph.get_operations()[first:], self.transposes)
         dx = grads[0] if needs_dx else None
-        self._accumulate(s, grads[len(sources) - len(variables) :], variables)
+        self._accumulate(s, i, grads[len(sources) - len(variables) :], variables)
         # The sums belong to this step: the next step of the stage waits for them too.
         return {"dx": dx, "gate": _flat_outputs([dx, self.gradients[s]])}
 
-    def _accumulate(self, s, grads, variables):
-        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
-        # Summed in micro-batch order (the B or W chain guarantees it), on the stage device.
+    def _accumulate(self, s, i, grads, variables):
+        grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
+        if not _never_empty(self.inputs[i]):
+            # An empty micro-batch (a final batch smaller than D x M) adds nothing; a layer
+            # with batch statistics (BatchNormalization) would give it NaN gradients.
+            empty = tf.equal(tf.shape(self.inputs[i])[0], 0)
+            grads = [g if isinstance(g, tf.IndexedSlices) else _unless(empty, g) for g in grads]
+        # Summed in micro-batch order (the B or W chain guarantees it), on the stage device;
+        # a sparse gradient stays sparse, its rows in batch order (`_gradients`).
         acc = self.gradients[s]
-        self.gradients[s] = grads if acc is None else [a + g for a, g in zip(acc, grads)]
+        self.gradients[s] = grads if acc is None else [_gradients.add(a, g) for a, g in zip(acc, grads)]
 
     def _input_gradients(self, step, forward, target, upstream, needs_dx):
         """B of a split backward: the gradients of the stage input and of each layer output."""
@@ -215,8 +272,16 @@ class _Batch:
                 grads += forward["tape"].gradient(y, weights, output_gradients=dy)
             else:
                 grads += tf.gradients(y, weights, grad_ys=dy)
-        self._accumulate(s, grads, self.stages[s].trainable_variables)
+        self._accumulate(s, i, grads, self.stages[s].trainable_variables)
         return {"gate": _flat_outputs(self.gradients[s])}
+
+
+def _unless(empty, gradient):
+    return tf.where(empty, tf.zeros_like(gradient), gradient)
+
+
+def _never_empty(x):
+    return x.shape.rank is not None and x.shape[0] is not None and x.shape[0] > 0
 
 
 def run_batch(stages, schedule, inputs, loss_fn, virtual_stages=1):

@@ -30,7 +30,7 @@ from tfscale.strategies._options import positive_int, reject_unknown
 from tfscale.strategies._placement import clone_chain, model_input, variable_device
 from tfscale.strategies._replicas import check_data_parallel, draw_as_whole_batch, group_devices
 from tfscale.strategies.pipeline import schedules
-from tfscale.strategies.pipeline.batchnorm import DeferredBatchNorm
+from tfscale.strategies.pipeline.batchnorm import DeferredBatchNorm, EmptyMicrobatchGuard
 
 __all__ = ["PipelineStrategy"]
 
@@ -198,6 +198,13 @@ class PipelineStrategy:
         from tfscale.strategies.pipeline.model import PipelinedModel
 
         layers = _partition.chain_layers(model)
+        config = _partition.graph_config(model)
+        if config is not None and isinstance(config["output_layers"], dict):
+            raise StrategyError(
+                f"Cannot pipeline model {model.name!r}: its outputs are a dict "
+                f"{sorted(config['output_layers'])}; a pipeline has one plain output. Build it with "
+                "outputs=<the tensor> (and compile with one loss, no dict of losses or loss_weights)."
+            )
         inputs = model_input(model) if model.built else None
         if inputs is None:
             raise StrategyError(
@@ -210,6 +217,7 @@ class PipelineStrategy:
                     f"Layer {layer.name!r} has an activity regulariser, which a pipeline cannot "
                     "sum over micro-batches like Keras does. Expected layers without one."
                 )
+        call_kwargs = _call_kwargs(model, layers)
         counts = _partition.balance(layers, len(self.stage_devices), self.balance, sample_input)
         partition = _partition.describe(layers, counts, self.stage_devices)
         for part in partition:
@@ -221,11 +229,12 @@ class PipelineStrategy:
         # The same class, layer names and weights layout as the user's model (its weights
         # files load into it), made of the placed copies.
         unsplit = keras.models.clone_model(model, clone_function=lambda layer: by_layer[id(layer)])
-        replicas = [self._stages(copies, counts, self.stage_devices)]
+        replicas = [self._stages(copies, counts, self.stage_devices, call_kwargs)]
         for group in self.replica_devices[1:]:
             # Replicas 1..D-1: untracked copies (replica 0 is the model Keras saves).
             devices = schedules.stage_devices(group, self.num_stages * self.virtual_stages)
-            replicas.append(self._stages(clone_chain(layers, counts, devices, inputs)[0], counts, devices))
+            copies_r = clone_chain(layers, counts, devices, inputs)[0]
+            replicas.append(self._stages(copies_r, counts, devices, call_kwargs))
         if self.data_parallel > 1 and self.num_microbatches == 1:
             # One call per step and copy: each copy's Dropout draws its rows of one device's mask
             # (with M > 1 every micro-batch draws anew, data parallel or not).
@@ -235,7 +244,8 @@ class PipelineStrategy:
         # Deferred statistics are gathered over one replica's micro-batches: with D > 1 each
         # replica's BatchNorm moves once per micro-batch, as Keras would (documented).
         deferred = self.deferred_batch_norm and self.data_parallel == 1
-        batch_norm = DeferredBatchNorm(copies) if deferred else None
+        every_copy = [layer for stages in replicas for stage in stages for layer in stage.layers]
+        batch_norm = DeferredBatchNorm(copies) if deferred else EmptyMicrobatchGuard(every_copy)
         return PipelinedModel(
             unsplit,
             replicas[0],
@@ -269,12 +279,19 @@ class PipelineStrategy:
         layers = [layer for stages in pipelined.replicas for stage in stages for layer in stage.layers]
         return _parts.report(layers, self.devices)
 
-    def _stages(self, copies, counts, stage_devices):
+    def _stages(self, copies, counts, stage_devices, call_kwargs):
         from tfscale.strategies.pipeline.step import Stage
 
         stages, start = [], 0
         for index, (count, device) in enumerate(zip(counts, stage_devices)):
-            stage = Stage(index, copies[start : start + count], device, self.recompute, self.serialize_stages)
+            stage = Stage(
+                index,
+                copies[start : start + count],
+                device,
+                self.recompute,
+                self.serialize_stages,
+                call_kwargs=call_kwargs[start : start + count],
+            )
             start += count
             for variable in (w for layer in stage.layers for w in layer.weights):
                 if device_key(variable_device(variable)) != device_key(device):
@@ -284,6 +301,32 @@ class PipelineStrategy:
                     )
             stages.append(stage)
         return stages
+
+
+def _call_kwargs(model, layers):
+    """Per layer of the chain, the constant keyword arguments the model calls it with.
+
+    A functional model records them in its config; a stage must call its copy the same
+    way (`Stage`: with the call's `training`, as Keras does).
+
+    Raises:
+        StrategyError: a keyword argument that is not a plain constant (a tensor, an object).
+    """
+    config = _partition.graph_config(model)
+    if config is None:
+        return [{} for _ in layers]
+    nodes = {entry["name"]: entry["inbound_nodes"] for entry in config["layers"]}
+    found = []
+    for layer in layers:
+        kwargs = dict(nodes[layer.name][0].get("kwargs", {})) if nodes.get(layer.name) else {}
+        for key, value in kwargs.items():
+            if not isinstance(value, (bool, int, float, str, type(None))):
+                raise StrategyError(
+                    f"Layer {layer.name!r} is called with {key}={value!r}, which a pipeline stage "
+                    "cannot pass on. Expected constant keyword arguments (bool, number, string)."
+                )
+        found.append(kwargs)
+    return found
 
 
 def _resolve(devices, num_stages, data_parallel):

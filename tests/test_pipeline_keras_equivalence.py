@@ -1,0 +1,381 @@
+"""The pipeline (and every `data_parallel=2` model) gives plain Keras's one-device result for the
+Keras features of issue 24: repeated Embedding tokens under adaptive optimizers and clipping,
+masked per-timestep outputs, recompute with Dropout and BatchNormalization, `training=False`
+in a functional chain, partial batches, saving; or refuses in one line before the first step
+(`add_loss`, dict outputs, raw `keras.ops` calls).
+
+Each case trains the same model (same seed, same data order, shuffle=False) with plain Keras
+on one device and with tfscale, and compares losses, weights and predictions to RTOL/ATOL
+(float32 round-off: micro-batched gradients sum the same terms in another order).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfscale.strategies
+from tfscale.strategies import BalanceError, StrategyError
+
+RTOL, ATOL = 1e-5, 1e-6
+EPOCHS = 2
+
+
+def _fit(model, x, y, optimizer, *, batch_size=8, loss="mse", metrics=None, dataset=False, **fit):
+    model.compile(optimizer=optimizer, loss=loss, metrics=metrics)
+    data = (x, y)
+    if dataset:
+        history = model.fit(
+            tf.data.Dataset.from_tensor_slices(data).batch(batch_size),
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
+            **fit,
+        )
+    else:
+        history = model.fit(x, y, batch_size=batch_size, epochs=EPOCHS, shuffle=False, verbose=0, **fit)
+    return history.history
+
+
+def _assert_same(reference, candidate, history_ref, history, x):
+    for key in history_ref:
+        np.testing.assert_allclose(history[key], history_ref[key], rtol=RTOL, atol=ATOL, err_msg=key)
+    predictions = candidate.predict(x, verbose=0, batch_size=len(x))
+    np.testing.assert_allclose(
+        predictions, reference.predict(x, verbose=0, batch_size=len(x)), rtol=RTOL, atol=10 * ATOL
+    )
+
+
+def _assert_same_weights(reference, candidate):
+    for a, b in zip(reference.get_weights(), candidate.get_weights(), strict=True):
+        np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL)
+
+
+# -- 1. An Embedding that sees a token twice in a batch --------------------------------------
+
+_TOKENS = np.random.default_rng(0).integers(0, 4, size=(16, 5)).astype("int32")  # repeats
+_TARGETS = np.random.default_rng(1).normal(size=(16, 4)).astype("float32")
+
+_OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.05),
+    "adamw": lambda: keras.optimizers.AdamW(0.05, weight_decay=0.01),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.02),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.2),
+    "sgd_clipnorm": lambda: keras.optimizers.SGD(0.1, clipnorm=0.1),
+    "sgd_global_clipnorm": lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.1),
+}
+
+_MODES = {
+    "gpipe_m1": ("pipeline", {"num_stages": 2, "num_microbatches": 1, "schedule": "gpipe"}),
+    "1f1b_m2": ("pipeline", {"num_stages": 2, "num_microbatches": 2}),
+    "zb_h1_m2": ("pipeline", {"num_stages": 2, "num_microbatches": 2, "schedule": "zb-h1"}),
+    "1f1b_m2_dp2": ("pipeline", {"num_stages": 2, "num_microbatches": 2, "data_parallel": 2}),
+    "layer_split_dp2": ("model_split", {"num_devices": 2, "data_parallel": 2}),
+    "tensor_split_dp2": ("model_split", {"num_devices": 2, "tensor_parallel": True, "data_parallel": 2}),
+}
+
+
+def _embedding_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(8, 4),
+            keras.layers.Flatten(),
+            keras.layers.Dense(4),
+        ]
+    )
+
+
+_references = {}
+
+
+def _embedding_reference(optimizer):
+    if optimizer not in _references:
+        model = _embedding_model()
+        history = _fit(model, _TOKENS, _TARGETS, _OPTIMIZERS[optimizer]())
+        _references[optimizer] = (model, history)
+    return _references[optimizer]
+
+
+# The fast tier: every mode once (Adam), and the other optimizer families in one pipeline.
+_FAST_EMBEDDING_CASES = [
+    ("adam", "1f1b_m2"),
+    ("adam", "1f1b_m2_dp2"),
+    ("adam", "layer_split_dp2"),
+    ("adam", "tensor_split_dp2"),
+    ("rmsprop", "zb_h1_m2"),
+    ("sgd_clipnorm", "gpipe_m1"),
+]
+_SLOW_EMBEDDING_CASES = [
+    (name, mode) for name in _OPTIMIZERS for mode in _MODES if (name, mode) not in _FAST_EMBEDDING_CASES
+]
+
+
+def _check_embedding(optimizer, mode):
+    reference, history_ref = _embedding_reference(optimizer)
+    name, options = _MODES[mode]
+    split = tfscale.strategies.get(name, **options).split(_embedding_model())
+    history = _fit(split, _TOKENS, _TARGETS, _OPTIMIZERS[optimizer]())
+    _assert_same(reference, split, history_ref, history, _TOKENS)
+    _assert_same_weights(reference, split)  # tensor split: in the unsplit layout
+
+
+@pytest.mark.parametrize(("optimizer", "mode"), _FAST_EMBEDDING_CASES)
+def test_repeated_embedding_tokens_train_as_in_keras(optimizer, mode):
+    _check_embedding(optimizer, mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("optimizer", "mode"), _SLOW_EMBEDDING_CASES)
+def test_repeated_embedding_tokens_train_as_in_keras_every_mode(optimizer, mode):
+    _check_embedding(optimizer, mode)
+
+
+# -- 3. A per-timestep output masked by Embedding(mask_zero=True) ------------------------------
+
+
+def _sequences():
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(1, 9, size=(16, 6)).astype("int32")
+    for row, length in enumerate(rng.integers(1, 7, size=16)):
+        tokens[row, length:] = 0  # padding: 1 to 6 valid steps
+    return tokens, rng.normal(size=(16, 6, 2)).astype("float32")
+
+
+def _masked_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((6,), dtype="int32"),
+            keras.layers.Embedding(9, 4, mask_zero=True),
+            keras.layers.SimpleRNN(4, return_sequences=True),
+            keras.layers.Dense(2),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "reduction", "weighted"),
+    [
+        pytest.param({"num_microbatches": 1}, "sum_over_batch_size", False, marks=pytest.mark.slow),
+        ({"num_microbatches": 4}, "sum_over_batch_size", False),
+        pytest.param(
+            {"num_microbatches": 2, "data_parallel": 2}, "sum_over_batch_size", True, marks=pytest.mark.slow
+        ),
+        pytest.param({"num_microbatches": 4}, "mean_with_sample_weight", True, marks=pytest.mark.slow),
+    ],
+)
+def test_masked_timestep_output_trains_and_evaluates_as_in_keras(options, reduction, weighted):
+    x, y = _sequences()
+    weights = np.linspace(0.5, 2.0, x.size).reshape(x.shape).astype("float32") if weighted else None
+    loss = keras.losses.MeanSquaredError(reduction=reduction)
+    reference = _masked_model()
+    history_ref = _fit(
+        reference, x, y, keras.optimizers.SGD(0.1), loss=loss, metrics=["mae"], sample_weight=weights
+    )
+    pipelined = tfscale.strategies.get("pipeline", num_stages=2, balance=[2, 1], **options).split(
+        _masked_model()
+    )
+    history = _fit(
+        pipelined, x, y, keras.optimizers.SGD(0.1), loss=loss, metrics=["mae"], sample_weight=weights
+    )
+    _assert_same(reference, pipelined, history_ref, history, x)
+    _assert_same_weights(reference, pipelined)
+    evaluated = pipelined.evaluate(x, y, batch_size=8, verbose=0)
+    np.testing.assert_allclose(evaluated, reference.evaluate(x, y, batch_size=8, verbose=0), rtol=RTOL)
+
+
+# -- 8. recompute=True: the same Dropout masks twice, BatchNorm statistics moved once ---------
+
+
+def _dropout_model(batch_norm=False):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            *([keras.layers.BatchNormalization()] if batch_norm else []),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+def _dense_data(samples=16, features=6):
+    rng = np.random.default_rng(3)
+    return rng.normal(size=(samples, features)).astype("float32"), rng.normal(size=(samples, 3)).astype(
+        "float32"
+    )
+
+
+def test_recompute_with_dropout_and_batch_norm_matches_keras_at_one_microbatch():
+    x, y = _dense_data()
+    reference = _dropout_model(batch_norm=True)
+    history_ref = _fit(reference, x, y, keras.optimizers.SGD(0.1))
+    pipelined = tfscale.strategies.get(
+        "pipeline", num_stages=2, num_microbatches=1, recompute=True, balance=[2, 2]
+    ).split(_dropout_model(batch_norm=True))
+    history = _fit(pipelined, x, y, keras.optimizers.SGD(0.1))
+    _assert_same(reference, pipelined, history_ref, history, x)
+    _assert_same_weights(reference, pipelined)  # moving mean and variance included
+
+
+def test_recompute_draws_the_forwards_dropout_masks():
+    x, y = _dense_data()
+    runs = []
+    for recompute in (False, True):
+        pipelined = tfscale.strategies.get(
+            "pipeline", num_stages=2, num_microbatches=2, recompute=recompute, balance=[1, 2]
+        ).split(_dropout_model())
+        runs.append((pipelined, _fit(pipelined, x, y, keras.optimizers.SGD(0.1))))
+    (plain, history_plain), (recomputed, history) = runs
+    _assert_same(plain, recomputed, history_plain, history, x)
+    _assert_same_weights(plain, recomputed)
+
+
+# -- 9. add_loss in call(): refused before the first step --------------------------------------
+
+
+class _ActivityPenalty(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_add_loss_in_call_is_refused_before_the_first_step(recompute):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(4), _ActivityPenalty(name="penalty"), keras.layers.Dense(3)]
+    )
+    pipelined = tfscale.strategies.get(
+        "pipeline", num_stages=2, num_microbatches=2, recompute=recompute
+    ).split(model)
+    pipelined.compile(optimizer="sgd", loss="mse")
+    before = pipelined.get_weights()
+    x, y = _dense_data()
+    with pytest.raises(StrategyError, match=r"add_loss"):
+        pipelined.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(StrategyError, match=r"Layer 'penalty' adds a loss"):
+        pipelined.evaluate(x, y, batch_size=8, verbose=0)
+    for a, b in zip(before, pipelined.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# -- 11. BatchNormalization()(x, training=False) in a functional chain -------------------------
+
+
+def _frozen_batch_norm_model(trainable=True):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="relu")(inputs)
+    h = keras.layers.BatchNormalization(name="frozen_bn", trainable=trainable)(h, training=False)
+    return keras.Model(inputs, keras.layers.Dense(3)(h))
+
+
+def test_batch_norm_called_with_training_false_trains_as_keras_does():
+    """Keras 3.15's functional model gives each layer the call's `training`, over the
+    `training=False` recorded in the graph (`functional.operation_fn`): under `fit` this
+    BatchNormalization trains (its moving mean moves). The pipeline does the same; with
+    M = 1 it is plain Keras's result (with M > 1 a training BatchNormalization normalises
+    each micro-batch by its own statistics, as the strategy documents)."""
+    x, y = _dense_data()
+    reference = _frozen_batch_norm_model()
+    history_ref = _fit(reference, x, y, keras.optimizers.SGD(0.1))
+    assert np.any(reference.get_layer("frozen_bn").moving_mean.numpy() != 0)  # upstream behaviour
+    pipelined = tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=1).split(
+        _frozen_batch_norm_model()
+    )
+    history = _fit(pipelined, x, y, keras.optimizers.SGD(0.1))
+    _assert_same(reference, pipelined, history_ref, history, x)
+    _assert_same_weights(reference, pipelined)
+
+
+def test_batch_norm_frozen_by_trainable_false_is_keras_at_any_microbatches():
+    x, y = _dense_data()
+    reference = _frozen_batch_norm_model(trainable=False)
+    history_ref = _fit(reference, x, y, keras.optimizers.SGD(0.1))
+    pipelined = tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=4).split(
+        _frozen_batch_norm_model(trainable=False)
+    )
+    history = _fit(pipelined, x, y, keras.optimizers.SGD(0.1))
+    _assert_same(reference, pipelined, history_ref, history, x)
+    _assert_same_weights(reference, pipelined)
+
+
+# -- 12. Dict outputs and raw keras.ops calls: one-line refusals at split ---------------------
+
+
+def test_dict_outputs_are_refused_with_the_fix():
+    inputs = keras.Input((6,))
+    out = keras.layers.Dense(3, name="out")(keras.layers.Dense(4)(inputs))
+    model = keras.Model(inputs, {"out": out})
+    with pytest.raises(StrategyError, match=r"outputs are a dict \['out'\].*outputs=<the tensor>"):
+        tfscale.strategies.get("pipeline", num_stages=2).split(model)
+
+
+def test_raw_ops_call_between_layers_is_refused_with_the_fix():
+    inputs = keras.Input((6,))
+    h = keras.ops.tanh(keras.layers.Dense(4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    with pytest.raises(BalanceError, match=r"at 'tanh.*raw keras.ops call.*keras.layers.Activation"):
+        tfscale.strategies.get("pipeline", num_stages=2).split(model)
+
+
+# -- Partial batches: a final batch that D x M does not divide (numpy and tf.data) ------------
+
+
+@pytest.mark.parametrize(
+    ("options", "dataset"),
+    [
+        pytest.param({"num_microbatches": 4}, False, marks=pytest.mark.slow),  # 22 samples, batch 8: last 6
+        ({"num_microbatches": 4}, True),  # tf.data, batch 5: the last batch has 2 (< M)
+        pytest.param({"num_microbatches": 2, "data_parallel": 2}, True, marks=pytest.mark.slow),
+    ],
+)
+def test_partial_final_batch_trains_as_in_keras(options, dataset):
+    x, y = _dense_data(samples=22)
+    batch = 5 if dataset else 8
+    reference = _mlp()
+    history_ref = _fit(reference, x, y, keras.optimizers.Adam(0.01), batch_size=batch, dataset=dataset)
+    pipelined = tfscale.strategies.get("pipeline", num_stages=2, **options).split(_mlp())
+    history = _fit(pipelined, x, y, keras.optimizers.Adam(0.01), batch_size=batch, dataset=dataset)
+    _assert_same(reference, pipelined, history_ref, history, x)
+    _assert_same_weights(reference, pipelined)
+
+
+@pytest.mark.parametrize("options", [{"num_microbatches": 4}, {"num_microbatches": 2, "data_parallel": 2}])
+def test_batch_smaller_than_the_microbatches_leaves_batch_norm_finite(options):
+    """A final batch of 2 for D x M = 4 micro-batches: the empty ones add no gradient (a
+    BatchNormalization gives them NaN) and move no average (deferred or Keras's own)."""
+    x, y = _dense_data(samples=22)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
+    )
+    pipelined = tfscale.strategies.get("pipeline", num_stages=2, **options).split(model)
+    _fit(pipelined, x, y, keras.optimizers.SGD(0.1), batch_size=5, dataset=True)
+    assert all(np.isfinite(w).all() for w in pipelined.get_weights())
+
+
+def _mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
+    )
+
+
+# -- Saving: model.save(".keras") writes the user's model ------------------------------------
+
+
+def test_save_writes_the_unsplit_model_that_load_model_reads(tmp_path):
+    x, y = _dense_data()
+    pipelined = tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=2).split(_dropout_model())
+    _fit(pipelined, x, y, keras.optimizers.Adam(0.01))
+    pipelined.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert [layer.name for layer in loaded.layers] == [layer.name for layer in pipelined.unsplit_model.layers]
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), pipelined.predict(x, verbose=0), rtol=RTOL, atol=ATOL
+    )

@@ -90,7 +90,6 @@ class InputTracker:
     def __init__(self, epoch_iterator, iterators_made=0):
         self._it = epoch_iterator
         self.iterators_made = iterators_made
-        self._replay = None
         original = epoch_iterator._get_iterator
 
         def _counted_get_iterator():
@@ -117,33 +116,45 @@ class InputTracker:
         return self.iterators_made, live, int(self._it._steps_seen) if live else 0
 
     def resume(self, *, step, iterators_made, live, batches_taken):
-        """Makes the next epoch of `fit` start at `step` with the input where it was."""
+        """Makes the next epoch of `fit` start at `step` with the input where it was.
+
+        The saved position is replayed now (before `fit` reads its initial epoch), so a
+        backup taken at the last step of an epoch is seen to leave nothing of it: then
+        the input stands where the next epoch starts and this returns True (the caller
+        starts `fit` at the next epoch). Running that epoch with no step would end it
+        with metrics that were never updated (Keras raises "Cannot get result() since
+        the metric has not yet been built").
+        """
         drop = max(0, iterators_made - 1 if live else iterators_made)
         for _ in range(drop):
             iter(self._original_get_iterator())
         self.iterators_made += drop
-        if step or (live and batches_taken):
-            self._replay = (step, batches_taken if live else 0)
-            original = type(self._it)._enumerate_iterator.__get__(self._it)
-            self._it._enumerate_iterator = lambda: self._resumed_epoch(original)
-
-    def _resumed_epoch(self, original):
-        del self._it._enumerate_iterator  # one epoch only; later epochs are Keras's own
-        step, taken = self._replay
-        spe = self._it.steps_per_execution
-        generator = original()
+        if not (step or (live and batches_taken)):
+            return False
+        taken = batches_taken if live else 0
+        generator = type(self._it)._enumerate_iterator.__get__(self._it)()
         try:
             item = next(generator)
             for _ in range(taken):
                 next(item[2])
-            for _ in range(step // spe):
+            for _ in range(step // self._it.steps_per_execution):
                 item = next(generator)
         except (StopIteration, RuntimeError):
-            return  # The input is shorter than when the backup was made.
+            # The epoch is over (or the input is shorter than when the backup was made).
+            if self._it._current_iterator is not None and self._it.steps_per_epoch is not None:
+                self._it._steps_seen = taken  # one iterator across epochs: `taken` read from it
+            return True
         # The loop above counted `spe` batches per step it skipped; the truth is `taken`.
-        self._it._steps_seen = taken + spe
-        yield item
-        yield from generator
+        spe = self._it.steps_per_execution
+
+        def resumed_epoch():
+            del self._it._enumerate_iterator  # one epoch only; later epochs are Keras's own
+            self._it._steps_seen = taken + spe
+            yield item
+            yield from generator
+
+        self._it._enumerate_iterator = resumed_epoch
+        return False
 
     def close(self):
         self._it.__dict__.pop("_get_iterator", None)

@@ -13,7 +13,16 @@ import os
 import pickle
 import sys
 
-__all__ = ["build_model", "cluster_train", "flip_byte", "listing", "main", "make_data", "step_counter", "train"]
+__all__ = [
+    "build_model",
+    "cluster_train",
+    "flip_byte",
+    "listing",
+    "main",
+    "make_data",
+    "step_counter",
+    "train",
+]
 
 NUM_SAMPLES, FEATURES = 128, 8
 

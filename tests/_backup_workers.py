@@ -208,6 +208,7 @@ def train(
     slow_step=0.0,
     metrics=None,
     scoped=True,
+    job_id=None,
 ):
     """Trains once (resuming from `backup_dir` if it holds a backup); returns a result dict."""
     import time
@@ -238,6 +239,7 @@ def train(
             max_to_keep=max_to_keep,
             delete_checkpoint=delete_checkpoint,
             **({} if async_save is None else {"async_save": async_save}),
+            **({} if job_id is None else {"job_id": job_id}),
         )
     counter = step_counter(print_steps)
     # The counter goes first: it reports a finished step even when the backup callback then exits.

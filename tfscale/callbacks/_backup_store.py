@@ -29,6 +29,7 @@ Anything else is left alone and mentioned in one line at most (`foreign`).
 """
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -323,13 +324,22 @@ class BackupStore:
                 e.filename = tmp  # a failed write() says "[Errno 28]" but not where
             raise
         final = os.path.join(self.directory, self.name(step))
-        self._publish(tmp, final)
+        try:
+            self._publish(tmp, final)
+        except OSError:
+            if os.path.lexists(tmp):
+                _remove_own(tmp)
+            raise
         return final
 
     def _publish(self, tmp, final):
         # rename(2) onto a non-empty directory fails, so an existing backup of the
         # same step (identical, or torn) is moved aside first and removed after.
         aside = None
+        if os.path.lexists(final) and not _proven_backup(final):
+            raise FileExistsError(
+                errno.EEXIST, "an entry tfscale did not write is in the way (left alone: move it away)", final
+            )
         if os.path.exists(final):
             aside = os.path.join(self.directory, f"{_TMP_PREFIX}old-{uuid.uuid4().hex[:8]}")
             os.rename(final, aside)

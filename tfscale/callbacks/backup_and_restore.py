@@ -488,17 +488,27 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "`backup_dir` (or pass the same `job_id` to resume that job)."
             )
 
+    _uniform_steps = True  # every epoch of the run had this fit's steps (not so when resized)
+
     def _check_in_range(self, backup):
         """Raises `BackupError` unless the backup's position fits this `fit` (epochs, steps)."""
         meta, params = backup.meta, self.params or {}
         epochs, steps = params.get("epochs"), params.get("steps")
         epoch, step, position = meta["epoch"], meta["step"], meta["input"]
         spe = self._tracker.steps_per_execution if self._tracker is not None else 1
+        # An epoch's steps as the callback counts them (a last, partial execution counts whole).
+        span = math.ceil(steps / spe) * spe if type(steps) is int else None
         problem = None
         if type(epochs) is int and (epoch > epochs or (epoch == epochs and step)):
             problem = f"epoch {epoch} (step {step}), beyond this fit's epochs={epochs}"
-        elif type(steps) is int and step > steps:
+        elif span is not None and step > span:
             problem = f"step {step} of epoch {epoch}, beyond this fit's {steps} steps per epoch"
+        elif span is not None and step and self._uniform_steps and epoch * span + step != meta["global_step"]:
+            # Mid-epoch, the position must be where this data puts it (epoch-end backups
+            # may resume on other data).
+            problem = (
+                f"global step {meta['global_step']} = epoch {epoch}, step {step} ({steps} steps per epoch)"
+            )
         elif position["iterators_made"] > 2 * epoch + 4:
             problem = f"{position['iterators_made']} input iterators made by epoch {epoch}"
         elif type(steps) is int and position["batches_taken"] > (epoch + 1) * steps + spe:

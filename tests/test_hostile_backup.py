@@ -419,3 +419,15 @@ def test_two_real_jobs_on_one_folder(tmp_path):
     resumed = workers.train(str(backup_dir), job_id="job-a")
     assert resumed["restored"]["global_step"] >= 10
     assert workers_max_diff(resumed, reference) <= 1e-6
+
+
+def test_tfscale_launch_gives_its_tasks_one_job_id_per_command_line(monkeypatch):
+    from tfscale.launch import jobs
+
+    monkeypatch.setattr(sys, "argv", ["tfscale-launch", "--", "python", "train.py", "--seed=1"])
+    first = [jobs.task_env("{}", False, {}, attempt)[jobs.JOB_ID_VAR] for attempt in range(3)]
+    assert len(set(first)) == 1 and first[0].startswith("launch-")  # every attempt: the same job
+    monkeypatch.setattr(sys, "argv", ["tfscale-launch", "--", "python", "train.py", "--seed=2"])
+    assert jobs.task_env("{}", False, {}, 0)[jobs.JOB_ID_VAR] != first[0]  # another job
+    assert jobs.task_env("{}", False, {jobs.JOB_ID_VAR: "mine"}, 0)[jobs.JOB_ID_VAR] == "mine"
+    assert tfscale.callbacks.backup_and_restore.JOB_ID_VAR == jobs.JOB_ID_VAR

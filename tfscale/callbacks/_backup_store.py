@@ -8,6 +8,7 @@ Layout of `backup_dir`:
         manifest.json           written last: metadata, each shard's variables, size, checksum
     .tmp-ckpt-...               a backup being written (or left by a crash; removed later)
     rejected-ckpt-...           a backup that failed verification, kept for inspection
+    .tfscale-lock               held (flock) by the job writing here (`_backup_lock`)
 
 A backup is usable only if its manifest parses, matches its own sha256 (format 3: the
 manifest's content, shard checksums included, is hashed into a `sha256` field beside
@@ -336,7 +337,11 @@ class BackupStore:
         # rename(2) onto a non-empty directory fails, so an existing backup of the
         # same step (identical, or torn) is moved aside first and removed after.
         aside = None
-        if os.path.lexists(final) and not _proven_backup(final):
+        # One of ours at this step (its files and a manifest, perhaps torn) is replaced;
+        # anything else there (an empty or foreign `ckpt-*`) is not ours to move.
+        if os.path.lexists(final) and not (
+            _holds_only_own_files(final) and os.path.isfile(os.path.join(final, _MANIFEST))
+        ):
             raise FileExistsError(
                 errno.EEXIST, "an entry tfscale did not write is in the way (left alone: move it away)", final
             )

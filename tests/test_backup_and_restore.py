@@ -95,13 +95,13 @@ def test_resumes_mid_epoch_exactly(tmp_path, reference, dataset, steps_per_execu
     "dataset, save_freq, fail_step, at, scoped",
     [
         ("array", 4, 17, 16, False),  # backup at 16: the last step of epoch 0
-        ("array", 8, 33, 32, True),  # at 32: the last step of epoch 1
+        pytest.param("array", 8, 33, 32, True, marks=pytest.mark.slow),  # the last step of epoch 1
         ("array", 16, 48, 48, False),  # at 48: the last step of the run
         ("tfdata_repeat", 4, 17, 16, False),  # steps_per_epoch: one iterator across epochs
-        ("tfdata_reshuffle", 8, 33, 32, False),
+        pytest.param("tfdata_reshuffle", 8, 33, 32, False, marks=pytest.mark.slow),
         # A length Keras learns only when the input ends: the step that finds the end
         # counts in `optimizer.iterations` (which FailAt reads), so step 18 is global step 17.
-        ("tfdata_unknown", 4, 18, 16, False),
+        pytest.param("tfdata_unknown", 4, 18, 16, False, marks=pytest.mark.slow),
     ],
 )
 def test_resumes_from_a_backup_at_the_last_step_of_an_epoch(

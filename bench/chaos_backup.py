@@ -1,12 +1,17 @@
 """Chaos runs for `tfscale.callbacks.BackupAndRestore`: SIGKILL at random steps, restart, compare.
 
 Each trial starts the tiny training of `tests/_backup_workers.py` (3 epochs x 16 steps,
-dropout, Adam, backups every `--save_freq` steps), kills it with a real SIGKILL at a
-random global step (`FailAt(mode="sigkill")`), restarts the same command, and compares
-the final weights with an uninterrupted run. Prints one row per trial and writes JSON
+dropout, Adam, a compiled metric, backups every `save_freq` steps), kills it with a real
+SIGKILL at a global step (`FailAt(mode="sigkill")`), restarts the same command, and
+compares the final weights with an uninterrupted run. `save_freq` and the kill step are
+drawn per trial so that backups land on epoch ends, on the run's end and mid-epoch
+alike: a third of the trials kill right after an epoch-end backup (save_freq dividing
+the epoch's 16 steps, killed at the step after it), some right after the run's last
+step was backed up, the rest at a random step with a random save_freq
+(`--save_freq N` fixes it for every trial instead). Prints one row per trial and writes JSON
 to `bench/results/chaos_backup[_workers2][_stock].json`.
 
-    python bench/chaos_backup.py --trials 20            # single process
+    python bench/chaos_backup.py --trials 20            # single process, drawn save_freq
     python bench/chaos_backup.py --trials 5 --workers 2 # 2-worker multi_worker cluster
     python bench/chaos_backup.py --trials 5 --stock     # keras.callbacks.BackupAndRestore
     python bench/chaos_backup.py --trials 20 --sync     # async_save=False
@@ -126,7 +131,7 @@ def _trial(run, base, kill_step, kill_task, reference, *, slow_write=0.0, slow_s
     lost = last - resumed_at
     # Sync or async, a kill loses at most save_freq steps: with async_save, snapshots come
     # early enough that the write in flight is never the only backup less than save_freq old.
-    allowed = base["save_freq"]
+    allowed = base["save_freq"]  # one save_freq per trial
     row.update(
         resumed_at=resumed_at,
         steps_lost=lost,
@@ -137,11 +142,23 @@ def _trial(run, base, kill_step, kill_task, reference, *, slow_write=0.0, slow_s
     return row
 
 
+def _draw(i, rng, fixed):
+    """`(save_freq, kill_step, where)` of trial `i`: after an epoch-end backup, the run's end, mid-epoch."""
+    kind = ("epoch end", "mid-epoch", "epoch end", "run end", "mid-epoch", "epoch end")[i % 6]
+    if kind == "epoch end":
+        save_freq = fixed or rng.choice([2, 4, 8, 16])
+        return save_freq, 16 * rng.randint(1, 2) + 1, kind  # killed one step after the backup
+    if kind == "run end":
+        save_freq = fixed or rng.choice([4, 8, 16])
+        return save_freq, TOTAL_STEPS, kind
+    return fixed or rng.choice([3, 5, 6, 7]), rng.randint(1, TOTAL_STEPS - 1), kind
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--workers", type=int, choices=(1, 2), default=1)
-    parser.add_argument("--save_freq", type=int, default=5)
+    parser.add_argument("--save_freq", type=int, default=None, help="fixed for every trial (default: drawn)")
     parser.add_argument("--stock", action="store_true", help="use keras.callbacks.BackupAndRestore")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync", action="store_true", help="async_save=False")
@@ -159,39 +176,48 @@ def main(argv=None):
     rng = random.Random(args.seed)
     run = _run_cluster if args.workers == 2 else _run_process
     workdir = tempfile.mkdtemp(prefix="tfscale-chaos-")
-    base = {"save_freq": args.save_freq, "stock": args.stock}
+    base = {"stock": args.stock, "metrics": ["mae"], "scoped": False}
     if not args.stock:
         base["async_save"] = not args.sync
     in_flight = not args.stock and not args.sync
-    reference = run({**base, "backup_dir": os.path.join(workdir, "reference"), "stock": False})
+    reference = run(
+        {**base, "save_freq": 5, "backup_dir": os.path.join(workdir, "reference"), "stock": False}
+    )
     rows = []
-    # Always include epoch boundaries (16, 32) and their neighbours; the rest are random.
-    steps = [16, 17, 32] + [rng.randint(1, TOTAL_STEPS - 1) for _ in range(max(0, args.trials - 3))]
-    header = f"{'trial':>5} {'kill':>5} {'flight':>6} {'resumed_at':>10} {'lost':>5} {'ran':>4}"
+    header = f"{'trial':>5} {'where':>9} {'freq':>4} {'kill':>5} {'flight':>6} {'resumed_at':>10}"
+    header += f" {'lost':>5} {'ran':>4}"
     print(f"{header} {'max|diff|':>10}  ok")
-    for i, random_step in enumerate(steps[: args.trials]):
-        kill_step = random_step
+    for i in range(args.trials):
+        save_freq, kill_step, where = _draw(i, rng, args.save_freq)
         task = ("worker", rng.randint(0, 1)) if args.workers == 2 else None
         slow = 0.0
-        if in_flight and i % 4 == 3:
+        if in_flight and i % 4 == 3 and where == "mid-epoch":
             # Killed while a write (slowed by `slow_write` s) is in flight, at the first step end
             # from `kill_step` on at which one is: the writer's process (worker 0 in a cluster).
-            slow = args.slow_write
-            kill_step = rng.randint(1, TOTAL_STEPS - 3 * args.save_freq)
+            slow, where = args.slow_write, "in flight"
+            save_freq = args.save_freq or 5
+            kill_step = rng.randint(1, TOTAL_STEPS - 3 * save_freq)
             task = ("worker", 0) if args.workers == 2 else None
         row = _trial(
             run,
-            {**base, "backup_dir": os.path.join(workdir, f"t{i}")},
+            {
+                **base,
+                "save_freq": save_freq,
+                "backup_dir": os.path.join(workdir, f"t{i}"),
+                # async_save snapshots early (not at multiples of save_freq): the epoch-end and
+                # run-end trials write synchronously, so their backups land exactly there.
+                **({"async_save": False} if where in ("epoch end", "run end") and not args.stock else {}),
+            },
             kill_step,
             task,
             reference,
             slow_write=slow,
             slow_step=args.slow_step,
         )
-        row.update(trial=i, killed_task=task, kill_in_flight=bool(slow))
+        row.update(trial=i, killed_task=task, kill_in_flight=bool(slow), save_freq=save_freq, where=where)
         rows.append(row)
         print(
-            f"{i:>5} {kill_step:>5} {'yes' if slow else 'no':>6} "
+            f"{i:>5} {where:>9} {save_freq:>4} {kill_step:>5} {'yes' if slow else 'no':>6} "
             f"{row.get('resumed_at', '-')!s:>10} {row.get('steps_lost', '-')!s:>5} "
             f"{row.get('steps_run', '-')!s:>4} {row.get('max_abs_diff', float('nan')):>10.2e}  {row['ok']}"
             f"  {row.get('error', '')}",
@@ -200,11 +226,14 @@ def main(argv=None):
     passed = sum(r["ok"] for r in rows)
     most_lost = max((r.get("steps_lost", 0) for r in rows), default=0)
     flights = sum(r["kill_in_flight"] for r in rows)
-    over = sum(r.get("steps_lost", 0) > args.save_freq for r in rows)
+    over = sum(r.get("steps_lost", 0) > r["save_freq"] for r in rows)
+    by_where = {
+        w: sum(r["where"] == w for r in rows) for w in ("epoch end", "run end", "mid-epoch", "in flight")
+    }
     print(
-        f"{passed}/{len(rows)} trials resumed exactly (max |diff| <= 1e-6, steps lost <= {args.save_freq}"
-        f"); {flights} killed mid-write on "
-        f"purpose; {over} lost more than {args.save_freq}; most lost: {most_lost}"
+        f"{passed}/{len(rows)} trials resumed exactly (max |diff| <= 1e-6, steps lost <= save_freq); "
+        f"kills by where the newest backup was: {by_where}; {flights} killed mid-write on "
+        f"purpose; {over} lost more than their save_freq; most lost: {most_lost}"
     )
     name = "chaos_backup" + ("_workers2" if args.workers == 2 else "") + ("_stock" if args.stock else "")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

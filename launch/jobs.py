@@ -10,6 +10,7 @@ run until stopped). An evaluator is a sidecar: its failure fails the job, and it
 is stopped when training is done.
 """
 
+import hashlib
 import os
 import resource
 import shutil
@@ -35,6 +36,14 @@ def compat_env(base):
 
 
 RESTART_COUNT_VAR = "TFSCALE_RESTART_COUNT"
+JOB_ID_VAR = "TFSCALE_JOB_ID"  # read by tfscale.callbacks.BackupAndRestore (its `job_id`)
+
+
+def job_id(base):
+    """The job's id: the user's `TFSCALE_JOB_ID`, else one derived from this launch (the same
+    command line in the same folder is the same job, so a relaunch resumes its backups)."""
+    launch = repr((os.getcwd(), sys.argv)).encode("utf-8", "backslashreplace")
+    return base.get(JOB_ID_VAR) or "launch-" + hashlib.sha256(launch).hexdigest()[:16]
 
 
 def task_env(tf_config, keras_compat, base, restart_count=0):
@@ -44,7 +53,7 @@ def task_env(tf_config, keras_compat, base, restart_count=0):
     TORCHELASTIC_RESTART_COUNT), so a task can tell a restart from a fresh start;
     and the PYTHONPATH of the `--keras_compat` shim when asked.
     """
-    env = {"TF_CONFIG": tf_config, RESTART_COUNT_VAR: str(restart_count)}
+    env = {"TF_CONFIG": tf_config, RESTART_COUNT_VAR: str(restart_count), JOB_ID_VAR: job_id(base)}
     if keras_compat:
         env.update(compat_env(base))
     return env
@@ -300,7 +309,7 @@ class SlurmJob:
         return [self.srun, "--kill-on-bad-exit=1", "--label", *bootstrap, *self.command]
 
     def __call__(self, attempt):
-        env = dict(self._environ, **{RESTART_COUNT_VAR: str(attempt - 1)})
+        env = dict(self._environ, **{RESTART_COUNT_VAR: str(attempt - 1), JOB_ID_VAR: job_id(self._environ)})
         if self._keras_compat:
             env.update(compat_env(self._environ))
         return [TaskSpec("srun", tuple(self.argv()), env, "completes")]

@@ -13,7 +13,16 @@ import os
 import pickle
 import sys
 
-__all__ = ["build_model", "cluster_train", "flip_byte", "main", "make_data", "step_counter", "train"]
+__all__ = [
+    "build_model",
+    "cluster_train",
+    "flip_byte",
+    "listing",
+    "main",
+    "make_data",
+    "step_counter",
+    "train",
+]
 
 NUM_SAMPLES, FEATURES = 128, 8
 
@@ -32,12 +41,21 @@ def make_data(dataset, batch_size, samples=NUM_SAMPLES):
         # One endless iterator that `fit` keeps across epochs (`steps_per_epoch` given).
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(samples, seed=7).repeat()
         return {"x": ds.batch(batch_size), "steps_per_epoch": samples // batch_size, "shuffle": False}
+    if dataset == "tfdata_unknown":
+        # A length tf.data cannot tell before the end (filter): Keras learns it at the end of epoch 0.
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True)
+        return {"x": ds.batch(batch_size), "shuffle": False}
     if dataset == "tfdata_reshuffle":
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
             NUM_SAMPLES, seed=7, reshuffle_each_iteration=True
         )
         return {"x": ds.batch(batch_size), "shuffle": False}
     raise ValueError(f"unknown dataset {dataset!r}")
+
+
+def listing(directory):
+    """The sorted entries of `directory`, but the lock a `fit` that raised still holds there."""
+    return sorted(n for n in os.listdir(directory) if n != ".tfscale-lock")
 
 
 def flip_byte(path):
@@ -142,7 +160,14 @@ def kill_mid_write_class(base, after_step, signum=None):
     return KillMidWrite
 
 
-def build_model(strategy, steps_per_execution=1, units=16):
+def _no_scope():
+    import contextlib
+    import types
+
+    return types.SimpleNamespace(scope=contextlib.nullcontext)
+
+
+def build_model(strategy, steps_per_execution=1, units=16, metrics=None):
     import keras
 
     keras.utils.set_random_seed(0)
@@ -155,7 +180,9 @@ def build_model(strategy, steps_per_execution=1, units=16):
                 keras.layers.Dense(1),
             ]
         )
-        model.compile(keras.optimizers.Adam(1e-2), "mse", steps_per_execution=steps_per_execution)
+        model.compile(
+            keras.optimizers.Adam(1e-2), "mse", metrics=metrics, steps_per_execution=steps_per_execution
+        )
     return model
 
 
@@ -179,6 +206,9 @@ def train(
     callback_class=None,
     slow_write=0.0,
     slow_step=0.0,
+    metrics=None,
+    scoped=True,
+    job_id=None,
 ):
     """Trains once (resuming from `backup_dir` if it holds a backup); returns a result dict."""
     import time
@@ -189,7 +219,10 @@ def train(
 
     started = time.monotonic()
     strat = _strategy(strategy)
-    model = build_model(strat, steps_per_execution, units)
+    if scoped:
+        model = build_model(strat, steps_per_execution, units, metrics)
+    else:  # no strategy scope: Keras builds the compiled metrics at the first step only
+        model = build_model(_no_scope(), steps_per_execution, units, metrics)
     if stock:
         backup = keras.callbacks.BackupAndRestore(
             backup_dir, save_freq=save_freq, delete_checkpoint=delete_checkpoint
@@ -206,6 +239,7 @@ def train(
             max_to_keep=max_to_keep,
             delete_checkpoint=delete_checkpoint,
             **({} if async_save is None else {"async_save": async_save}),
+            **({} if job_id is None else {"job_id": job_id}),
         )
     counter = step_counter(print_steps)
     # The counter goes first: it reports a finished step even when the backup callback then exits.

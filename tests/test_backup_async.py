@@ -98,7 +98,7 @@ def test_background_write_error_raises_at_next_step_and_keeps_last_backup(small_
     # Raised on the training thread at a step after the failed write (the counter runs after
     # the backup callback: it did not count the step that raised), before the next backup.
     assert failed_step <= steps.steps < failed_step + 5
-    assert os.listdir(backup_dir) == [f"ckpt-{kept_step:012d}"]
+    assert workers.listing(backup_dir) == [f"ckpt-{kept_step:012d}"]
     os.remove(small_tmpfs / "filler")
     resumed = _fit(backup_dir, [], delete_checkpoint=False)
     assert resumed.restored_from["global_step"] == kept_step
@@ -142,7 +142,7 @@ def test_sigterm_backup_is_written_before_exit_even_with_a_write_in_flight(tmp_p
     assert exited.value.code == tfscale.callbacks.RESTART_EXIT_CODE
     (in_flight, thread), (last, last_thread) = writes[-2:]
     assert thread == "tfscale-backup-writer" and last_thread == "MainThread" and in_flight < last
-    assert sorted(os.listdir(backup_dir)) == [f"ckpt-{last:012d}"]  # published, the older one pruned
+    assert workers.listing(backup_dir) == [f"ckpt-{last:012d}"]  # published, the older one pruned
     resumed = workers.train(backup_dir, async_save=True)
     assert resumed["steps_run"] == TOTAL_STEPS - last
     assert max_diff(resumed, reference()) <= 1e-6

@@ -217,6 +217,6 @@ def test_backup_of_an_unknown_format_is_refused_with_what_to_do(tmp_path):
     store.write(4, {"step": 4}, [_backup_store.NpzShard("/cpu:0", [0], [np.zeros(3)])])
     manifest_path = tmp_path / "ckpt-000000000004" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest_path.write_text(json.dumps({**manifest, "format": 3, "parts": manifest.pop("shards")}))
-    with pytest.raises(_backup_store.UnusableBackupError, match=r"format 3, .*made by a newer tfscale"):
+    manifest_path.write_text(json.dumps({**manifest, "format": 4, "parts": manifest.pop("shards")}))
+    with pytest.raises(_backup_store.UnusableBackupError, match=r"format 4, .*made by a newer tfscale"):
         store.load("ckpt-000000000004")

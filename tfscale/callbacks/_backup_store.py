@@ -8,44 +8,54 @@ Layout of `backup_dir`:
         manifest.json           written last: metadata, each shard's variables, size, checksum
     .tmp-ckpt-...               a backup being written (or left by a crash; removed later)
     rejected-ckpt-...           a backup that failed verification, kept for inspection
+    .tfscale-lock               held (flock) by the job writing here (`_backup_lock`)
 
-A backup is usable only if its manifest parses and every shard it lists has the
-recorded size and checksum, all checked before anything is returned (a restore loads
-all or nothing), so a torn, truncated or incomplete backup is never loaded. Format 1
-backups (one `state.npz`) still load. Nothing here imports TensorFlow: the store writes
+A backup is usable only if its manifest parses, matches its own sha256 (format 3: the
+manifest's content, shard checksums included, is hashed into a `sha256` field beside
+it), and every shard it lists has the recorded size and checksum, all checked before
+anything is returned (a restore loads all or nothing), so a torn, truncated, edited or
+incomplete backup is never loaded. Format 1 and 2 backups (no manifest checksum) still
+load. Every read opens a regular file only (never a FIFO, device or symlink) and reads
+at most its recorded or bounded size. Nothing here imports TensorFlow: the store writes
 and verifies the `.npz` shards itself (sha256); a shard of another kind is an object
 that writes itself (`write(path) -> record`) and a reader that verifies it, given by
 the caller (`_backup_placed` for the shards written on another task).
 
 The directory may hold other files (it may be the user's `model_dir`): the store only
-ever removes entries it recognises as its own -- a name of the forms above and no file
-in it but `manifest.json`, `state.npz` and `shard-NNNNN.*` -- and it removes those file by file, so
-anything else put inside one survives (the directory then stays).
+ever removes or renames entries it can prove it wrote -- a real directory with a name of
+the forms above, holding only regular files named `manifest.json`, `state.npz` and
+`shard-NNNNN.*`, and (for a published backup) a manifest that verifies -- and it removes
+those file by file, so anything else put inside one survives (the directory then stays).
+Anything else is left alone and mentioned in one line at most (`foreign`).
 """
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
+import stat
 import uuid
 
 import numpy as np
 
 from tfscale.errors import Error
 
-__all__ = ["BackupStore", "LoadedBackup", "NpzShard", "UnusableBackupError"]
+__all__ = ["LOCK_NAME", "BackupStore", "LoadedBackup", "NpzShard", "UnusableBackupError"]
 
 _log = logging.getLogger("tfscale")
 
-FORMAT_VERSION = 2  # 1: one state.npz; 2: shards listed in the manifest
-_READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 3  # 1: one state.npz; 2: shards listed in the manifest; 3: + its sha256
+_READABLE_FORMATS = (1, 2, 3)
+MANIFEST_LIMIT = 256 << 20  # bytes: ~100 per variable, so millions of variables fit
 _PREFIX = "ckpt-"
 _TMP_PREFIX = ".tmp-"
 _REJECTED_PREFIX = "rejected-"
 _STATE = "state.npz"
 _MANIFEST = "manifest.json"
+LOCK_NAME = ".tfscale-lock"  # `_backup_lock`: the job that holds `backup_dir`
 _OWN_FILE = re.compile(r"manifest\.json|state\.npz|shard-[0-9]{5}\.(npz|tensors)")
 _PUBLISHED = re.compile(r"ckpt-[0-9]{12,}")
 # Temporary entries: a backup being written (`write`) or an old one moved aside (`_publish`).
@@ -82,6 +92,49 @@ def _sha256(path):
     return digest.hexdigest()
 
 
+def open_regular(path):
+    """A binary file object of `path` if it is a regular file; never follows a symlink and
+    never blocks on a FIFO or device (those raise `UnusableBackupError`)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnusableBackupError(f"{os.path.basename(path)} is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def read_bounded(path, limit):
+    """The bytes of the regular file `path`; `UnusableBackupError` if over `limit` bytes."""
+    with open_regular(path) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UnusableBackupError(f"{os.path.basename(path)} is over {limit} bytes")
+    return data
+
+
+def _canonical(manifest):
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(manifest):
+    """`manifest` with its `sha256` (over everything else in it, shard checksums included)."""
+    return {**manifest, "sha256": hashlib.sha256(_canonical(manifest)).hexdigest()}
+
+
+def parse_manifest(data):
+    """The manifest dict of `data` (bytes), its own checksum verified for format 3."""
+    manifest = json.loads(data.decode())
+    if not isinstance(manifest, dict) or manifest.get("format") not in _READABLE_FORMATS:
+        version = manifest.get("format") if isinstance(manifest, dict) else None
+        raise UnusableBackupError(
+            f"format {version!r:.50}, expected one of {_READABLE_FORMATS} "
+            "(made by a newer tfscale: restore it with that version, or start a fresh `backup_dir`)"
+        )
+    if manifest["format"] >= 3 and manifest.get("sha256") != hashlib.sha256(_canonical(manifest)).hexdigest():
+        raise UnusableBackupError("its manifest does not match its own sha256 (edited or corrupt)")
+    return manifest
+
+
 def _is_index(value):
     return type(value) is int and value >= 0
 
@@ -94,14 +147,25 @@ def _write_synced(path, write):
 
 
 def _holds_only_own_files(path):
+    """A real directory (no symlink) holding only regular files with the store's names."""
     try:
-        return (
-            os.path.isdir(path)
-            and not os.path.islink(path)
-            and all(_OWN_FILE.fullmatch(n) for n in os.listdir(path))
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        return all(
+            _OWN_FILE.fullmatch(n) and stat.S_ISREG(os.lstat(os.path.join(path, n)).st_mode)
+            for n in os.listdir(path)
         )
     except OSError:
         return False
+
+
+def _proven_backup(path):
+    """Whether `path` is a published backup the store wrote: its files, and a manifest that verifies."""
+    try:
+        parse_manifest(read_bounded(os.path.join(path, _MANIFEST), MANIFEST_LIMIT))
+    except (OSError, ValueError, RecursionError, MemoryError):  # UnusableBackupError is an OSError
+        return False
+    return _holds_only_own_files(path)
 
 
 def _remove_own(path):
@@ -143,15 +207,26 @@ class NpzShard:
 
     @staticmethod
     def read(path, record):
-        size = os.path.getsize(path)
-        if size != record["size"]:
-            raise UnusableBackupError(
-                f"{os.path.basename(path)} has {size} bytes, manifest says {record['size']}"
-            )
-        if _sha256(path) != record["sha256"]:
-            raise UnusableBackupError(f"{os.path.basename(path)} does not match its sha256 in the manifest")
-        with np.load(path, allow_pickle=False) as npz:
-            return [npz[f"arr_{i}"] for i in range(len(npz.files))]
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != record["size"]:
+                raise UnusableBackupError(
+                    f"{os.path.basename(path)} has {size} bytes, manifest says {record['size']}"
+                )
+            digest, left = hashlib.sha256(), size
+            while left > 0:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    break
+                digest.update(chunk)
+                left -= len(chunk)
+            if digest.hexdigest() != record["sha256"]:
+                raise UnusableBackupError(
+                    f"{os.path.basename(path)} does not match its sha256 in the manifest"
+                )
+            f.seek(0)
+            with np.load(f, allow_pickle=False) as npz:
+                return [npz[f"arr_{i}"] for i in range(len(npz.files))]
 
 
 class BackupStore:
@@ -176,8 +251,17 @@ class BackupStore:
         """Published backup names, newest (highest step) first."""
         if not os.path.isdir(self.directory):
             return []
-        names = [n for n in self._entries() if _PUBLISHED.fullmatch(n) and self._own(n)]
+        names = [n for n in self._entries() if _PUBLISHED.fullmatch(n) and self._published(n)]
         return sorted(names, key=self.step_of, reverse=True)
+
+    def _published(self, name):
+        # Its files, and a regular manifest.json: an empty `ckpt-*` is someone else's.
+        path = os.path.join(self.directory, name)
+        return self._own(name) and os.path.isfile(os.path.join(path, _MANIFEST))
+
+    def proven(self, name):
+        """Whether `name` is a published backup the store can prove it wrote (manifest verifies)."""
+        return _proven_backup(os.path.join(self.directory, name))
 
     def _entries(self):
         try:
@@ -190,8 +274,12 @@ class BackupStore:
 
     def is_own(self, name):
         """Whether `name` (an entry of the directory) is one the store wrote."""
-        if _PUBLISHED.fullmatch(name) or _TEMPORARY.fullmatch(name):
+        if _PUBLISHED.fullmatch(name):
+            return self._published(name)
+        if _TEMPORARY.fullmatch(name):
             return self._own(name)
+        if name == LOCK_NAME:
+            return os.path.isfile(os.path.join(self.directory, name))
         return bool(_REJECTED.fullmatch(name))
 
     def foreign(self):
@@ -226,7 +314,7 @@ class BackupStore:
                         **record,
                     }
                 )
-            manifest = {"format": FORMAT_VERSION, "meta": meta, "shards": records}
+            manifest = seal({"format": FORMAT_VERSION, "meta": meta, "shards": records})
             payload = json.dumps(manifest, indent=1, sort_keys=True).encode()
             _write_synced(os.path.join(tmp, _MANIFEST), lambda f: f.write(payload))
             _fsync_dir(tmp)
@@ -237,13 +325,26 @@ class BackupStore:
                 e.filename = tmp  # a failed write() says "[Errno 28]" but not where
             raise
         final = os.path.join(self.directory, self.name(step))
-        self._publish(tmp, final)
+        try:
+            self._publish(tmp, final)
+        except OSError:
+            if os.path.lexists(tmp):
+                _remove_own(tmp)
+            raise
         return final
 
     def _publish(self, tmp, final):
         # rename(2) onto a non-empty directory fails, so an existing backup of the
         # same step (identical, or torn) is moved aside first and removed after.
         aside = None
+        # One of ours at this step (its files and a manifest, perhaps torn) is replaced;
+        # anything else there (an empty or foreign `ckpt-*`) is not ours to move.
+        if os.path.lexists(final) and not (
+            _holds_only_own_files(final) and os.path.isfile(os.path.join(final, _MANIFEST))
+        ):
+            raise FileExistsError(
+                errno.EEXIST, "an entry tfscale did not write is in the way (left alone: move it away)", final
+            )
         if os.path.exists(final):
             aside = os.path.join(self.directory, f"{_TMP_PREFIX}old-{uuid.uuid4().hex[:8]}")
             os.rename(final, aside)
@@ -260,6 +361,8 @@ class BackupStore:
         kept = 0
         for name in self.published():
             step = self.step_of(name)
+            if not self.proven(name):
+                continue  # not provably ours (its manifest does not verify): left alone
             if step > newest_step:
                 # Only a rejected or abandoned timeline can be ahead of what we just wrote.
                 self.reject(name, "it is ahead of the backup just published")
@@ -284,13 +387,7 @@ class BackupStore:
         """
         path = os.path.join(self.directory, name)
         try:
-            with open(os.path.join(path, _MANIFEST), "rb") as f:
-                manifest = json.loads(f.read().decode())
-            if manifest["format"] not in _READABLE_FORMATS:
-                raise UnusableBackupError(
-                    f"format {manifest['format']!r:.50}, expected one of {_READABLE_FORMATS} "
-                    "(made by a newer tfscale: restore it with that version, or start a fresh `backup_dir`)"
-                )
+            manifest = parse_manifest(read_bounded(os.path.join(path, _MANIFEST), MANIFEST_LIMIT))
             if manifest["format"] == 1:
                 arrays = NpzShard.read(os.path.join(path, _STATE), manifest["files"][_STATE])
             else:
@@ -347,14 +444,19 @@ class BackupStore:
                 backup = self.load(name, check)
             except UnusableBackupError as e:
                 rejected.append(name)
-                _log.warning(
-                    "tfscale: backup %s is unusable (%s); falling back to the previous backup",
-                    os.path.join(self.directory, name),
-                    e,
-                )
+                if len(rejected) == 1:  # one line, however many there are
+                    _log.warning(
+                        "tfscale: backup %s is unusable (%s); falling back to the previous backup",
+                        os.path.join(self.directory, name),
+                        e,
+                    )
                 continue
             if rejected:
-                _log.warning("tfscale: restoring from %s instead of %s", backup.path, ", ".join(rejected))
+                _log.warning(
+                    "tfscale: restoring from %s instead of %s",
+                    backup.path,
+                    ", ".join(rejected[:3]) + (f" and {len(rejected) - 3} more" if len(rejected) > 3 else ""),
+                )
             return backup, rejected
         if rejected:
             raise UnusableBackupError(
@@ -371,7 +473,9 @@ class BackupStore:
         leaves it empty (`rmdir` cannot remove anything else).
         """
         for name in self._entries():
-            if (_PUBLISHED.fullmatch(name) or _TEMPORARY.fullmatch(name)) and self._own(name):
+            if (_PUBLISHED.fullmatch(name) and self.proven(name)) or (
+                _TEMPORARY.fullmatch(name) and self._own(name)
+            ):
                 _remove_own(os.path.join(self.directory, name))
         try:
             os.rmdir(self.directory)

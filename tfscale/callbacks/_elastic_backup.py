@@ -39,6 +39,8 @@ class ElasticBackupAndRestore(BackupAndRestore):
         super().__init__(backup_dir, **kwargs)
         self.global_batch_size = global_batch_size
 
+    _uniform_steps = False  # a resize changes the steps of an epoch
+
     def _meta(self, at_epoch_end):
         return {**super()._meta(at_epoch_end), "global_batch_size": self.global_batch_size}
 

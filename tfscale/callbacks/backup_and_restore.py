@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale.callbacks import _backup_cluster, _backup_placed
+from tfscale.callbacks._backup_lock import DirectoryLock, LockHeldError
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
 from tfscale.callbacks._backup_store import BackupStore, NpzShard, UnusableBackupError
 from tfscale.callbacks._backup_writer import BackgroundWriter, wait_for_directory
@@ -22,6 +23,7 @@ __all__ = [
     "RESTART_EXIT_CODE",
     "BackupAndRestore",
     "BackupError",
+    "BackupInUseError",
     "BackupMismatchError",
     "BackupWriteError",
     "UnusableBackupError",
@@ -38,12 +40,27 @@ class BackupMismatchError(BackupError):
     """The backup was made by a different model or optimizer (nothing was loaded)."""
 
 
+class BackupInUseError(BackupError):
+    """`backup_dir` belongs to another job: held by a live one, or holding another job's backups."""
+
+
+JOB_ID_VAR = "TFSCALE_JOB_ID"  # set by tfscale-launch for its tasks (launch/jobs.py)
+
+
 class BackupWriteError(BackupError, OSError):
     """`backup_dir` cannot take a backup (not a directory, read-only, full); the last one is kept."""
 
 
 def _check_args(
-    backup_dir, save_freq, double_checkpoint, delete_checkpoint, *, max_to_keep, preemption, async_save
+    backup_dir,
+    save_freq,
+    double_checkpoint,
+    delete_checkpoint,
+    *,
+    max_to_keep,
+    preemption,
+    async_save,
+    job_id=None,
 ):
     def bad(name, value, expected):
         return BackupError(
@@ -63,6 +80,10 @@ def _check_args(
     ):
         if not isinstance(value, bool):
             raise bad(name, value, "True or False")
+    if job_id is not None and not (
+        isinstance(job_id, str) and 0 < len(job_id) <= 200 and job_id.isprintable()
+    ):
+        raise bad("job_id", job_id, "None or a printable string of 1 to 200 characters")
     least = 2 if double_checkpoint else 1
     if max_to_keep is not None and (type(max_to_keep) is not int or max_to_keep < least):
         raise bad("max_to_keep", max_to_keep, f"None or an integer >= {least}")
@@ -158,6 +179,13 @@ def _check_consistent(backup):
                 f"says variable {i} ({name!r:.80}) is {tuple(shape)} {dtype:.20}, "
                 f"its shard holds {tuple(array.shape)} {array.dtype.name}"
             )
+    name = os.path.basename(backup.path)
+    if re.fullmatch(r"ckpt-[0-9]{12,}", name) and int(name[5:]) != meta["global_step"]:
+        raise torn(f"says global step {meta['global_step']}, its name {name}")
+    if meta["step"] > meta["global_step"] or not (
+        meta.get("job_id") is None or isinstance(meta.get("job_id"), str)
+    ):
+        raise torn("has an inconsistent step or job_id")
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -200,6 +228,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             else 1). A new backup is always published before old ones are removed.
         save_before_preemption: on SIGTERM, back up at the next step and exit with
             `RESTART_EXIT_CODE` (TensorFlow's `PreemptionCheckpointHandler`).
+        job_id: who owns the backups: recorded in each one, and a backup with another
+            `job_id` is refused (one line) instead of resumed. Default: the
+            `TFSCALE_JOB_ID` environment variable (`tfscale-launch` sets it for its
+            tasks), else None. A live job also holds `backup_dir` for the life of
+            `fit`: a second job on it fails before its first step (`BackupInUseError`).
         async_save: write backups on a background thread. The training thread copies
             the state to host memory (one extra copy at most) and goes on. With an
             integer `save_freq`, a kill still loses at most `save_freq` steps, as with
@@ -231,8 +264,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         max_to_keep=None,
         save_before_preemption=True,
         async_save=False,
+        job_id=None,
     ):
         super().__init__()
+        if job_id is None:
+            job_id = os.environ.get(JOB_ID_VAR) or None
         _check_args(
             backup_dir,
             save_freq,
@@ -241,7 +277,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             max_to_keep=max_to_keep,
             preemption=save_before_preemption,
             async_save=async_save,
+            job_id=job_id,
         )
+        self.job_id = job_id
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
         self.double_checkpoint = double_checkpoint
@@ -287,6 +325,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "optimizer": type(self.model.optimizer).__name__ if self.model.optimizer else None,
             "optimizer_variables": _signature(opt_vars),
             "saved_by": self._role.label,
+            "job_id": self.job_id,
             "time": time.time(),
             "keras": keras.__version__,
         }
@@ -438,9 +477,52 @@ class BackupAndRestore(keras.callbacks.Callback):
             "Expected the same model and optimizer, or a fresh `backup_dir`."
         )
 
+    def _check_job(self, backup):
+        """`check` for the store: consistent, and this job's (before any shard is trusted)."""
+        _check_consistent(backup)
+        theirs = backup.meta.get("job_id", self.job_id)  # format 1-2 backups have none
+        if theirs != self.job_id:
+            raise BackupInUseError(
+                f"Backup {backup.path} belongs to job_id={theirs!r:.80}, this job is "
+                f"job_id={self.job_id!r:.80}; nothing was loaded. Expected this job's own "
+                "`backup_dir` (or pass the same `job_id` to resume that job)."
+            )
+
+    _uniform_steps = True  # every epoch of the run had this fit's steps (not so when resized)
+
+    def _check_in_range(self, backup):
+        """Raises `BackupError` unless the backup's position fits this `fit` (epochs, steps)."""
+        meta, params = backup.meta, self.params or {}
+        epochs, steps = params.get("epochs"), params.get("steps")
+        epoch, step, position = meta["epoch"], meta["step"], meta["input"]
+        spe = self._tracker.steps_per_execution if self._tracker is not None else 1
+        # An epoch's steps as the callback counts them (a last, partial execution counts whole).
+        span = math.ceil(steps / spe) * spe if type(steps) is int else None
+        problem = None
+        if type(epochs) is int and (epoch > epochs or (epoch == epochs and step)):
+            problem = f"epoch {epoch} (step {step}), beyond this fit's epochs={epochs}"
+        elif span is not None and step > span:
+            problem = f"step {step} of epoch {epoch}, beyond this fit's {steps} steps per epoch"
+        elif span is not None and step and self._uniform_steps and epoch * span + step != meta["global_step"]:
+            # Mid-epoch, the position must be where this data puts it (epoch-end backups
+            # may resume on other data).
+            problem = (
+                f"global step {meta['global_step']} = epoch {epoch}, step {step} ({steps} steps per epoch)"
+            )
+        elif position["iterators_made"] > 2 * epoch + 4:
+            problem = f"{position['iterators_made']} input iterators made by epoch {epoch}"
+        elif type(steps) is int and position["batches_taken"] > (epoch + 1) * steps + spe:
+            problem = f"{position['batches_taken']} batches taken by epoch {epoch} of {steps} steps"
+        if problem:
+            raise BackupError(
+                f"Backup {backup.path} is at {problem}; nothing was loaded. Expected a backup of "
+                "this training (same data and epochs), or a fresh `backup_dir`."
+            )
+
     def _restore(self, backup):
         # Every check comes before the first assignment: a restore loads all or nothing.
         self._check_compatible(backup)
+        self._check_in_range(backup)
         meta = backup.meta
         if self._tracker is None and meta["step"]:
             raise BackupError(
@@ -454,10 +536,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             v.assign(value)
         self._epoch, self._step, self._global_step = meta["epoch"], meta["step"], meta["global_step"]
         self._last_saved = self._global_step
-        keras_fit_position.set_initial_epoch(self.model, self._epoch)
         if self._tracker is not None:
             position = {k: meta["input"][k] for k in ("iterators_made", "live", "batches_taken")}
-            self._tracker.resume(step=self._step, **position)
+            if self._tracker.resume(step=self._step, **position):
+                # Taken at the last step of its epoch: nothing of it is left to run.
+                self._epoch, self._step = self._epoch + 1, 0
+        keras_fit_position.set_initial_epoch(self.model, self._epoch)
         self.restored_from = meta
         _log.info(
             "tfscale: resumed from %s (epoch %d, step %d; global step %d) in %s",
@@ -490,6 +574,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                     f"Cannot write to `backup_dir={path!r}` (read-only or not permitted). "
                     "Expected a writable directory."
                 )
+        self._take_lock()
         foreign = self._store.foreign()
         if foreign:
             _log.info(
@@ -498,6 +583,29 @@ class BackupAndRestore(keras.callbacks.Callback):
                 path,
                 len(foreign),
                 ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else ""),
+            )
+
+    def _take_lock(self):
+        """The writer locks `backup_dir` before anything in it is read; the others follow it."""
+        self._lock = DirectoryLock(self.backup_dir, self.job_id)
+        holder = None
+        if self._role.writer:
+            try:
+                self._lock.acquire()
+            except LockHeldError as e:
+                holder = e.holder
+            except OSError as e:
+                holder = f"a lock file tfscale cannot open ({e.strerror or e})"
+        if self._multi_worker:
+            taken = _backup_cluster.from_writer(self.model.distribute_strategy, self._role.writer)(
+                0.0 if holder else 1.0
+            )
+            if taken != 1.0 and holder is None:
+                holder = "another job (its writer, the chief or worker 0, could not lock it)"
+        if holder is not None:
+            raise BackupInUseError(
+                f"`backup_dir={self.backup_dir!r}` is in use by another live job ({holder}); nothing "
+                "in it was read or changed. Expected one job per `backup_dir`: give this job its own."
             )
 
     def on_train_begin(self, logs=None):
@@ -527,7 +635,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             # A `fit` that raises would otherwise keep its tf.data iterator in Keras's own
             # reference cycle until a full garbage collection (see the compat module).
             keras_fit_position.release_input_after_fit(self.model, epoch_iterator)
-        backup, _ = self._store.load_newest(check=_check_consistent)
+        backup, _ = self._store.load_newest(check=self._check_job)
         if self._multi_worker and not _backup_cluster.all_agree(
             strategy, backup.meta["global_step"] if backup else -1
         ):
@@ -637,3 +745,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._raise_write_error()
         if self.delete_checkpoint and self._role.writer:
             self._store.remove_all()
+        self._lock.release(remove=True)  # a `fit` that raised keeps it until the next `fit` or exit
+        if self.delete_checkpoint and self._role.writer:
+            try:
+                os.rmdir(self.backup_dir)  # only if that left it empty
+            except OSError:
+                pass

@@ -97,7 +97,6 @@ class InputTracker:
     def __init__(self, epoch_iterator, iterators_made=0):
         self._ref = weakref.ref(epoch_iterator)
         self.iterators_made = iterators_made
-        self._replay = None
         tracker, ref, get_iterator = weakref.ref(self), self._ref, type(epoch_iterator)._get_iterator
 
         def _counted_get_iterator():
@@ -128,23 +127,25 @@ class InputTracker:
         return self.iterators_made, live, int(self._it._steps_seen) if live else 0
 
     def resume(self, *, step, iterators_made, live, batches_taken):
-        """Makes the next epoch of `fit` start at `step` with the input where it was."""
+        """Makes the next epoch of `fit` start at `step` with the input where it was.
+
+        The saved position is replayed now (before `fit` reads its initial epoch), so a
+        backup taken at the last step of an epoch is seen to leave nothing of it: then
+        the input stands where the next epoch starts and this returns True (the caller
+        starts `fit` at the next epoch). Running that epoch with no step would end it
+        with metrics that were never updated (Keras raises "Cannot get result() since
+        the metric has not yet been built").
+        """
         it = self._it
         drop = max(0, iterators_made - 1 if live else iterators_made)
         for _ in range(drop):
             iter(type(it)._get_iterator(it))
         self.iterators_made += drop
-        if step or (live and batches_taken):
-            self._replay = (step, batches_taken if live else 0)
-            tracker, enumerate_epoch = weakref.ref(self), type(it)._enumerate_iterator
-            it._enumerate_iterator = lambda: tracker()._resumed_epoch(enumerate_epoch)
-
-    def _resumed_epoch(self, enumerate_epoch):
-        it = self._it
-        del it._enumerate_iterator  # one epoch only; later epochs are Keras's own
-        step, taken = self._replay
+        if not (step or (live and batches_taken)):
+            return False
+        taken = batches_taken if live else 0
         spe = it.steps_per_execution
-        generator = enumerate_epoch(it)
+        generator = type(it)._enumerate_iterator(it)
         try:
             item = next(generator)
             for _ in range(taken):
@@ -152,12 +153,24 @@ class InputTracker:
             for _ in range(step // spe):
                 item = next(generator)
         except (StopIteration, RuntimeError):
-            return  # The input is shorter than when the backup was made.
+            # The epoch is over (or the input is shorter than when the backup was made).
+            if it._current_iterator is not None and it.steps_per_epoch is not None:
+                it._steps_seen = taken  # one iterator across epochs: `taken` read from it
+            return True
         # The loop above counted `spe` batches per step it skipped; the truth is `taken`.
-        it._steps_seen = taken + spe
-        del it
-        yield item
-        yield from generator
+        ref = self._ref
+
+        def resumed_epoch():
+            target = ref()
+            if target is not None:  # one epoch only; later epochs are Keras's own
+                target.__dict__.pop("_enumerate_iterator", None)
+                target._steps_seen = taken + spe
+            del target
+            yield item
+            yield from generator
+
+        it._enumerate_iterator = resumed_epoch
+        return False
 
     def close(self):
         it = self._it

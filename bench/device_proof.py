@@ -124,12 +124,14 @@ def _rows_in_process(args, tf, gpus):
         return run
 
     def overhead():
-        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).cache().prefetch(2)
+        steps, batch = 200, 256  # bench_strategies' defaults
+        big_x, big_y = _data(steps, batch)
+        dataset = tf.data.Dataset.from_tensor_slices((big_x, big_y)).batch(batch).cache().prefetch(2)
         ours = tfscale.strategies.get("mirrored", devices=devices, cross_device_ops=nccl)
         ops = tf.distribute.NcclAllReduce() if nccl else None
         hand_built = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
         summary = bench_strategies.overhead_ratio(
-            ours, hand_built, dataset, steps=args.steps, rounds=args.rounds, width=WIDTH
+            ours, hand_built, dataset, steps=steps, rounds=args.rounds, width=WIDTH
         )
         ratio = summary["variants"]["tfscale"]["ratio"]
         control = summary["variants"][_paired.CONTROL]["ratio"]

@@ -1,4 +1,11 @@
-"""Cost of `tfscale.callbacks.BackupAndRestore`: per save, share of step time, restart to first step.
+"""Cost of `tfscale.callbacks.BackupAndRestore`: whole fit vs no callback, per save, restart.
+
+Part 0, the figure a user feels (paired, `bench/_paired.py`): whole `fit` time with
+`save_freq=100`, sync and async, against the same fit with no callback, in paired rounds
+(each round runs no callback, an A/A control (no callback again), sync and async, in an
+order that changes each round), each ratio to its own round's no-callback fit; median,
+min and max, the load average at start and end. Internal shares of those same fits
+(ms/save on the training thread, share, hooks, steps at risk) are secondary columns.
 
 Part 1 (in this process): a small MLP (~285k parameters, Adam) trains 2 epochs x 512
 steps with no backup, with `save_freq="epoch"` and with `save_freq=100`, with
@@ -17,7 +24,8 @@ epoch is SIGKILLed at step 900 and restarted; prints the time from the restarted
 process's start to its first resumed step, next to a fresh start of the same script
 (the difference is restore + skipping 900 consumed batches).
 
-    python bench/bench_backup.py [--steps_per_epoch 512] [--repeat 3] [--skip_restart]
+    python bench/bench_backup.py [--rounds 8] [--steps_per_epoch 512] [--repeat 3] [--skip_restart]
+    python bench/bench_backup.py --rounds 8 --paired_only   # part 0 only
 
 Writes `bench/results/bench_backup.json`.
 """
@@ -32,6 +40,9 @@ import time
 import tracemalloc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _paired  # noqa: E402  (bench/ is not a package: the script's folder is on sys.path)
+
 SCRIPT = os.path.join(HERE, "..", "tests", "_backup_workers.py")
 
 
@@ -189,6 +200,69 @@ def _fit_once(kind, save_freq, steps_per_epoch, workdir, async_save=False, *, tr
     }
 
 
+def _paired_fit_cost(steps_per_epoch, rounds, warmup=1):
+    """Part 0: whole-fit cost of sync and async backups at save_freq=100, paired, with the control."""
+    workdir = tempfile.mkdtemp(prefix="tfscale-bench-backup-paired-")
+
+    def measure(kind, freq, async_save):
+        def fit():
+            r = _fit_once(kind, freq, steps_per_epoch, workdir, async_save)
+            extras = {}
+            if r["saves"]:
+                extras = {
+                    "ms_per_save": 1000 * r["save_seconds"] / r["saves"],
+                    "share_of_fit": r["save_seconds"] / r["seconds"],
+                    "hooks_share_of_fit": r["hook_seconds"] / r["seconds"],
+                    "most_at_risk": r["most_at_risk"],
+                    "waits": r["waits"],
+                }
+            return {"value": r["seconds"], **extras}
+
+        return fit
+
+    summary = _paired.run(
+        {
+            "no callback": measure("none", None, False),
+            "sync 100": measure("tfscale", 100, False),
+            "async 100": measure("tfscale", 100, True),
+        },
+        baseline="no callback",
+        rounds=rounds,
+        warmup=warmup,  # the first fits of a process run slower (seen: 3.5 s then 2.5 s)
+    )
+    variants = summary["variants"]
+    print(
+        f"whole fit vs no callback (2 epochs x {steps_per_epoch} steps, batch 32, Adam, "
+        f"{rounds} paired rounds after {warmup} warm-up; median [min, max]; secondary columns: medians):"
+    )
+    print(
+        f"{'callback':>12} {'fit vs none':>11} {'min':>8} {'max':>8} {'beyond A/A':>10} "
+        f"{'fit s':>7} {'ms/save':>8} {'share':>6} {'hooks':>6} {'at risk':>7}"
+    )
+    for label in ("no callback", _paired.CONTROL, "sync 100", "async 100"):
+        row = variants[label]
+        ratio, extras = row["ratio"], row["extras"]
+        beyond = _paired.beyond_control(summary, label) if extras else None
+        beyond = f"{100 * beyond:>+9.1f}%" if beyond is not None else f"{'-':>10}"
+        secondary = (
+            f"{extras['ms_per_save']:>8.2f} {100 * extras['share_of_fit']:>5.1f}% "
+            f"{100 * extras['hooks_share_of_fit']:>5.1f}% {extras['most_at_risk']:>7.0f}"
+            if extras
+            else f"{'-':>8} {'-':>6} {'-':>6} {'-':>7}"
+        )
+        print(
+            f"{label:>12} {100 * (ratio['median'] - 1):>+10.1f}% {100 * (ratio['min'] - 1):>+7.1f}% "
+            f"{100 * (ratio['max'] - 1):>+7.1f}% {beyond} {row['value']['median']:>7.2f} "
+            f"{secondary}"
+        )
+    print(
+        "beyond A/A: the median minus the A/A control's largest ratio (<= 0: within this machine's "
+        f"noise); load average (1/5/15 min) at start {_paired._fmt_load(summary['load_start'])}, "
+        f"at end {_paired._fmt_load(summary['load_end'])}"
+    )
+    return summary
+
+
 def _save_costs(steps_per_epoch, repeat, only=None):
 
     workdir = tempfile.mkdtemp(prefix="tfscale-bench-backup-")
@@ -250,7 +324,8 @@ def _save_costs(steps_per_epoch, repeat, only=None):
         "ms/save: the training thread's time saving (snapshots, synchronous writes, waits for a "
         "background write, the async schedule) per save; share: that, of fit time; hooks: all of the "
         "callback's step and epoch hooks (+ the per-step SIGTERM check), of fit time; at risk: most "
-        "steps a kill could have lost; vs no callback: whole fit"
+        "steps a kill could have lost; vs no callback: whole fit, best of N unpaired fits "
+        "(indicative only on a shared machine: the paired table above is the figure)"
     )
     return {**rows, **{label: {"error": error} for label, error in failures.items()}}
 
@@ -322,14 +397,19 @@ def _restart_times():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps_per_epoch", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=8, help="paired rounds of part 0")
+    parser.add_argument("--warmup", type=int, default=1, help="paired rounds run first, not counted")
+    parser.add_argument("--paired_only", action="store_true", help="part 0 only")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip_restart", action="store_true")
     parser.add_argument("--only", nargs="*", help="variant labels to run (with 'no callback')")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    results = {"save_cost": _save_costs(args.steps_per_epoch, args.repeat, args.only)}
-    results["peak_memory"] = _peak_memory(min(args.steps_per_epoch, 256))
-    if not args.skip_restart:
+    results = {"whole_fit_paired": _paired_fit_cost(args.steps_per_epoch, args.rounds, args.warmup)}
+    if not args.paired_only:
+        results["save_cost"] = _save_costs(args.steps_per_epoch, args.repeat, args.only)
+        results["peak_memory"] = _peak_memory(min(args.steps_per_epoch, 256))
+    if not args.skip_restart and not args.paired_only:
         results["restart"] = _restart_times()
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "bench_backup.json"), "w") as f:

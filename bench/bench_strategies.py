@@ -2,21 +2,25 @@
 `tfscale.strategies.get("mirrored", cpu_replicas=N)` vs a hand-built
 `tf.distribute.MirroredStrategy` over the same logical CPU devices.
 
-The two are timed alternately in one process (A, B, A, B, ...), each timing a
-whole `fit` epoch after a warm-up epoch, and the ratio of the medians is printed.
-Goal: ratio >= 0.98 (the thin layer costs nothing measurable).
+Paired rounds in one process (`bench/_paired.py`): each round times one whole `fit`
+epoch (after a warm-up epoch) under each strategy and an A/A control (the hand-built
+one again), in an order that changes each round; each round's ratio is tfscale's
+steps/s over the hand-built one's; the median, min and max and the load average are
+printed. Goal: median ratio >= 0.98 (the thin layer costs nothing measurable).
 
-Run: python bench/bench_strategies.py [--replicas 2] [--repeats 7] [--steps 200]
+Run: python bench/bench_strategies.py [--replicas 2] [--rounds 7] [--steps 200]
 Writes bench/results/strategies.json.
 """
 
 import argparse
 import json
 import os
-import statistics
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _paired  # bench/ is not a package: the script's folder is on sys.path
 
 
 def _model(keras, width):
@@ -33,10 +37,41 @@ def _model(keras, width):
     return model
 
 
+def overhead_ratio(ours, hand_built, dataset, *, steps, rounds, width, log=None):
+    """Paired rounds (`bench/_paired.py`) of one `fit` epoch under each strategy.
+
+    Each round's figure is tfscale's steps/s over the hand-built strategy's steps/s in the
+    same round; the A/A control is the hand-built model timed twice a round.
+    """
+    import keras
+
+    models = {}
+    for label, strategy in (("hand-built", hand_built), ("tfscale", ours)):
+        with strategy.scope():
+            model = _model(keras, width)
+        model.fit(dataset, epochs=1, verbose=0)  # trace and warm up
+        models[label] = model
+
+    def steps_per_s(model):
+        def fit():
+            start = time.perf_counter()
+            model.fit(dataset, epochs=1, verbose=0)
+            return steps / (time.perf_counter() - start)
+
+        return fit
+
+    return _paired.run(
+        {label: steps_per_s(model) for label, model in models.items()},
+        baseline="hand-built",
+        rounds=rounds,
+        log=log,
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rounds", "--repeats", type=int, default=7, dest="rounds")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--width", type=int, default=256)
@@ -45,7 +80,6 @@ def main():
     )
     args = parser.parse_args()
 
-    import keras
     import numpy as np
     import tensorflow as tf
 
@@ -60,37 +94,22 @@ def main():
     y = rng.integers(0, 10, size=(args.steps * args.batch,)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).cache().prefetch(2)
 
-    runs = {}
-    for label, strategy in (("tfscale", ours), ("hand-built", hand_built)):
-        with strategy.scope():
-            model = _model(keras, args.width)
-        model.fit(dataset, epochs=1, verbose=0)  # trace and warm up
-        runs[label] = {"model": model, "seconds": []}
-    for _ in range(args.repeats):
-        for run in runs.values():
-            start = time.perf_counter()
-            run["model"].fit(dataset, epochs=1, verbose=0)
-            run["seconds"].append(time.perf_counter() - start)
-
-    rows = {}
-    for label, run in runs.items():
-        steps_per_s = [args.steps / s for s in run["seconds"]]
-        rows[label] = {"median_steps_per_s": statistics.median(steps_per_s), "steps_per_s": steps_per_s}
-    ratio = rows["tfscale"]["median_steps_per_s"] / rows["hand-built"]["median_steps_per_s"]
+    summary = overhead_ratio(
+        ours, hand_built, dataset, steps=args.steps, rounds=args.rounds, width=args.width
+    )
+    ratio = summary["variants"]["tfscale"]["ratio"]
     print(
         f"Keras fit, MirroredStrategy over {args.replicas} logical CPUs, {args.steps} steps x batch "
-        f"{args.batch}, median of {args.repeats} alternated epochs"
+        f"{args.batch}, {args.rounds} paired rounds of one epoch each"
     )
-    print(f"{'strategy':<12} {'steps/s (median)':>17} {'min':>8} {'max':>8}")
-    for label, row in rows.items():
-        print(
-            f"{label:<12} {row['median_steps_per_s']:>17.1f} {min(row['steps_per_s']):>8.1f} "
-            f"{max(row['steps_per_s']):>8.1f}"
-        )
-    print(f"ratio tfscale / hand-built: {ratio:.3f} (goal >= 0.98)")
+    print(_paired.format_table(summary, what="steps/s / hand-built", percent=False))
+    print(
+        f"ratio tfscale / hand-built: median {ratio['median']:.3f} [{ratio['min']:.3f}, {ratio['max']:.3f}], "
+        f"A/A control {summary['variants'][_paired.CONTROL]['ratio']['median']:.3f} (goal >= 0.98)"
+    )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "rows": rows, "ratio": ratio}, f, indent=2)
+        json.dump({"args": vars(args), "paired": summary, "ratio": ratio["median"]}, f, indent=2)
 
 
 if __name__ == "__main__":

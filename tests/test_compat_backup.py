@@ -217,3 +217,14 @@ def test_an_interrupted_fit_frees_its_input_iterator_without_a_garbage_collectio
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
     )
     assert proc.stdout.strip().splitlines()[-1:] == ["[[True, True], [True, True]] True"], proc.stderr[-3000:]
+
+
+def test_platform_probe_asks_tensorflow_once_and_keeps_the_answer():
+    # The gate of compat.tf_platform_probe: TF's `on_gcp` is replaced by one cached answer
+    # (False off GCP), so a PreemptionCheckpointHandler makes no request of its own.
+    from tensorflow.python.distribute.failure_handling import failure_handling_util as util
+
+    from tfscale.compat import tf_platform_probe
+
+    assert tf_platform_probe.probe_once() and tf_platform_probe.probe_once()
+    assert util.on_gcp._tfscale_cached is True and util.on_gcp() is False

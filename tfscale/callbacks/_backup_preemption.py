@@ -26,7 +26,7 @@ import sys
 
 import tensorflow as tf
 
-from tfscale.compat import tf_preemption_threads
+from tfscale.compat import tf_platform_probe, tf_preemption_threads
 
 __all__ = ["RESTART_EXIT_CODE", "PreemptionWatch"]
 
@@ -52,14 +52,19 @@ class PreemptionWatch:
 
     def __init__(self, strategy, *, multi_worker, save_fn, unused_dir, in_fit):
         here = inspect.currentframe()
-        for stale in [w for w in _open_watches if not w._in_fit(here)]:
-            stale.close()  # its `fit` raised: Keras never called `on_train_end`
+        stale = [w for w in _open_watches if not w._in_fit(here)]
+        # A frame that holds itself (`here`) is a reference cycle: it would keep every
+        # caller's frame (fit's input among their locals) alive until a full collection.
+        del here
+        for watch in stale:
+            watch.close()  # its `fit` raised: Keras never called `on_train_end`
         self._in_fit = in_fit
         resolver = strategy.cluster_resolver if multi_worker else None
         manager = tf.train.CheckpointManager(tf.train.Checkpoint(), directory=unused_dir, max_to_keep=1)
         config = tf.distribute.experimental.TerminationConfig(
             exit_fn=self._exit, save_fn=save_fn, grace_period=0
         )
+        tf_platform_probe.probe_once()  # TF's per-handler HTTP probe leaves a cycle (see there)
         self._previous_handler = signal.getsignal(signal.SIGTERM)
         self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
             resolver, manager, termination_config=config

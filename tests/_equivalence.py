@@ -583,6 +583,29 @@ def compare(case, ref, got):
     return Outcome(case, "EQUAL")
 
 
+BASELINE = {"m": 1, "dp": 1, "optimizer": "sgd", "option": "none", "layer": "dense", "feature": "fit"}
+
+
+def minimize(case, run=None):
+    """The smallest case failing like `case`: each dimension reset to BASELINE where it still fails.
+
+    A failing case varies several dimensions at once; this names the ones that matter
+    (what a minimal reproducer needs). Returns (minimal case, its outcome).
+    """
+    run = run or run_case
+    outcome = run(case)
+    if outcome.outcome not in ("DIFFER", "CRASH"):
+        return case, outcome
+    for name, value in BASELINE.items():
+        trial = dataclasses.replace(case, **{name: value})
+        if trial == case or not valid(vars(trial)):
+            continue
+        tried = run(trial)
+        if tried.outcome == outcome.outcome:
+            case, outcome = trial, tried
+    return case, outcome
+
+
 # ---------------------------------------------------------------- the table
 
 
@@ -640,7 +663,46 @@ def failures(outcomes):
     return "\n".join(lines)
 
 
+_LINE = re.compile(r"^\[\d+/\d+ \d+s\] (EQUAL|REFUSED|DIFFER|CRASH|N/A) +(\S+) ?(.*)$")
+
+
+def outcomes_from_log(path):
+    """The outcomes printed by a run of `main` (to redo the table without running again)."""
+    outcomes = []
+    with open(path) as f:
+        for line in f:
+            match = _LINE.match(line.rstrip("\n"))
+            if match:
+                kind, case_id, detail = match.groups()
+                size = re.search(r"off by (\S+)$", detail)
+                outcomes.append(
+                    Outcome(_parse_id(case_id), kind, detail, float(size.group(1)) if size else 0.0)
+                )
+    return outcomes
+
+
+def _parse_id(case_id):
+    """The Case of a `Case.id` ("zb-h1" is the one value with a dash)."""
+    head = "zb-h1" if case_id.startswith("zb-h1-") else case_id.split("-")[0]
+    m, dp, *rest = case_id[len(head) + 1 :].split("-")
+    return Case(head, int(m), int(dp), *rest)
+
+
 def main(argv):
+    """`python tests/_equivalence.py [fast|ci|full] [--markdown FILE] [--from-log LOG]`."""
+    if "--from-log" in argv:
+        outcomes = outcomes_from_log(argv[argv.index("--from-log") + 1])
+        text = table(outcomes)
+        print(f"{len(outcomes)} cases\n\n{text}\n\n{failures(outcomes)}")
+        if "--markdown" in argv:
+            with open(argv[argv.index("--markdown") + 1], "w") as f:
+                f.write(text + "\n")
+        return 0
+    if "--minimize" in argv:  # the case ids after it, e.g. from a red CI run
+        for case_id in argv[argv.index("--minimize") + 1 :]:
+            small, outcome = minimize(_parse_id(case_id))
+            print(f"{case_id} -> {small.id}: {outcome.outcome} {outcome.detail}", flush=True)
+        return 0
     tier = argv[1] if len(argv) > 1 and not argv[1].startswith("-") else "fast"
     from tfscale import strategies
 

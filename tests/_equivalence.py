@@ -470,8 +470,14 @@ def _clear():
 
 
 def _first_line(error):
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else ""
+    """One line for a report: TensorFlow's "Graph execution error:" is followed by its cause."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if len(lines) > 1 and lines[0].endswith(":"):
+        causes = [line for line in lines[1:] if not line.startswith(("File ", "Detected at node", "["))]
+        return f"{lines[0]} {causes[-1] if causes else lines[-1]}"[:300]
+    return lines[0][:300]
 
 
 def run_case(case, tamper=None):

@@ -1,0 +1,743 @@
+"""The generated equivalence harness: every model-parallel mode against plain Keras on one device.
+
+A case is (mode, micro-batches M, data_parallel D, optimizer, optimizer option, layer
+family, fit feature). Each case builds the same small model from the same seed twice:
+once as plain Keras on one device (the reference), once through the mode under test,
+trains both on the same data in the same order (16 samples, batches of 8, 2 epochs, no
+shuffling) and compares what the feature exposes: per-epoch losses and metrics,
+validation losses, `evaluate`, `predict`, the final weights in the unsplit model's
+layout (`strategy.merge`, or the model itself for mirrored), the file `save_weights`
+writes, `get_weights`/`set_weights`. Outcomes:
+
+    EQUAL    every compared value within TOLERANCE of the reference;
+    REFUSED  a `tfscale.Error` raised before the first step, its message one line, no
+             weight of the user's model or of the mode's model changed;
+    DIFFER   it ran and some value is off (the first such value and its size are kept);
+    CRASH    anything else (another exception, a multi-line refusal, a refusal after
+             weights changed);
+    N/A      plain Keras itself rejects the combination (e.g. LearningRateScheduler with
+             a LearningRateSchedule, class_weight with per-timestep targets): nothing to
+             compare with; counted and reported, never a pass of the mode.
+
+Only EQUAL, REFUSED and N/A pass.
+
+Tiers (one process, 4 logical CPUs from tests/conftest.py, references shared by key):
+    fast  `pytest tests/test_equivalence.py -m "not slow"`: a pairwise cover, every pair of
+          values of any two dimensions in at least one case (`pairwise`, fixed seed).
+    ci    `pytest tests/test_equivalence.py -m slow`: a wider sample of the whole cross
+          drawn with a fixed seed (CI_CASES cases), none of them in the fast tier.
+    full  `TFSCALE_EQUIVALENCE=full pytest tests/test_equivalence.py -m slow`: the whole
+          cross (hundreds of thousands of cases: select with `-k`, e.g. `-k "tensor and adam"`).
+Table: `python tests/_equivalence.py [fast|ci|full] [--markdown FILE]` runs a tier and
+prints the per-mode table (README "What each model-parallel mode supports exactly") and
+every DIFFER/CRASH case with its size.
+
+TOLERANCE: 1e-5 absolute plus 1e-5 relative, float32, for every compared value. No
+looser tolerance is used: the modes reassociate sums (micro-batch losses, all-reduced
+gradients), which moves results by ~1e-7 after 4 steps of these models.
+"""
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+TOLERANCE = 1e-5
+SEED = 7
+CI_CASES = 60  # measured ~14 s a case on 2 cores shared by 8 jobs; ~4 s estimated quiet: ~4 min
+BATCH, SAMPLES, EPOCHS = 8, 16, 2
+
+PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+MODES = (*PIPELINES, "layer", "tensor", "mirrored")
+OPTIMIZERS = (
+    "sgd", "sgd_momentum", "sgd_nesterov", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax",
+    "nadam", "ftrl", "lion", "adafactor", "lamb", "muon", "loss_scale",
+)  # fmt: skip
+OPTIONS = ("none", "clipnorm", "global_clipnorm", "clipvalue", "weight_decay", "ema", "lr_schedule",
+           "accumulation")  # fmt: skip
+LAYERS = (
+    "dense", "embedding_repeated", "embedding_mask_zero", "conv", "rnn_masked", "lstm_masked",
+    "gru_timestep_masked", "bidirectional_masked", "attention", "batchnorm", "batchnorm_inference",
+    "dropout", "frozen", "regularizers", "add_loss", "custom",
+)  # fmt: skip
+FEATURES = (
+    "fit", "sample_weight", "class_weight", "validation_data", "evaluate", "predict", "metrics",
+    "metrics_masked", "steps_per_execution", "lr_callback", "uneven_numpy", "uneven_tf_data",
+    "save_load_weights", "get_set_weights",
+)  # fmt: skip
+DIMENSIONS = {
+    "mode": MODES,
+    "m": (1, 2),
+    "dp": (1, 2),
+    "optimizer": OPTIMIZERS,
+    "option": OPTIONS,
+    "layer": LAYERS,
+    "feature": FEATURES,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    mode: str
+    m: int  # micro-batches (pipelines; 1 elsewhere)
+    dp: int  # data_parallel copies (mirrored: its 2 replicas)
+    optimizer: str
+    option: str
+    layer: str
+    feature: str
+
+    @property
+    def id(self):
+        return "-".join(map(str, dataclasses.astuple(self)))
+
+
+def valid(assignment):
+    """Whether a (partial) {dimension: value} assignment names a runnable configuration."""
+    mode, m, dp = assignment.get("mode"), assignment.get("m"), assignment.get("dp")
+    if mode in ("layer", "tensor", "mirrored") and m not in (None, 1):
+        return False  # M is a pipeline's
+    if mode == "interleaved" and m not in (None, 2):
+        return False  # interleaved needs M a multiple of S = 2
+    if mode == "mirrored" and dp not in (None, 2):
+        return False  # the reference mode: cpu_replicas=2
+    return True
+
+
+def pairwise(dimensions=DIMENSIONS, seed=SEED):
+    """A deterministic list of cases in which every valid pair of values of two dimensions occurs.
+
+    Greedy (AETG-like): each new case starts from an uncovered pair and fills the other
+    dimensions, in a seeded order, with the value covering most uncovered pairs.
+    """
+    rng = random.Random(seed)
+    names = list(dimensions)
+    uncovered = {
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(names, 2)
+        for va in dimensions[a]
+        for vb in dimensions[b]
+        if valid({a: va, b: vb})
+    }
+    cases, used = [], {(n, v): 0 for n in names for v in dimensions[n]}
+    while uncovered:
+        (a, va), (b, vb) = rng.choice(sorted(uncovered, key=repr))
+        chosen = {a: va, b: vb}
+        rest = [n for n in names if n not in chosen]
+        rng.shuffle(rest)
+        for name in rest:
+            # Most new pairs first; among equals the value used least so far (spreads the cost).
+            scored = [
+                (-sum(_pair(name, value, o, ov, names) in uncovered for o, ov in chosen.items()),
+                 used[name, value], rng.random(), value)
+                for value in dimensions[name]
+                if valid({**chosen, name: value})
+            ]  # fmt: skip
+            chosen[name] = min(scored, key=lambda s: s[:3])[3]
+        for name, value in chosen.items():
+            used[name, value] += 1
+        uncovered -= {_pair(x, chosen[x], y, chosen[y], names) for x, y in itertools.combinations(names, 2)}
+        cases.append(Case(**chosen))
+    return cases
+
+
+def _pair(a, va, b, vb, names):
+    return ((a, va), (b, vb)) if names.index(a) < names.index(b) else ((b, vb), (a, va))
+
+
+def full_cross(dimensions=DIMENSIONS):
+    names = list(dimensions)
+    for values in itertools.product(*(dimensions[n] for n in names)):
+        assignment = dict(zip(names, values))
+        if valid(assignment):
+            yield Case(**assignment)
+
+
+def tier_cases(tier):
+    """The cases of a tier: "fast" (pairwise), "ci" (a seeded sample beside it) or "full"."""
+    fast = pairwise()
+    if tier == "fast":
+        return fast
+    if tier == "full":
+        return list(full_cross())
+    if tier != "ci":
+        raise ValueError(f"Unknown tier {tier!r}: expected 'fast', 'ci' or 'full'.")
+    rng, seen, cases = random.Random(SEED + 1), set(fast), []
+    # Sampled dimension by dimension (the cross has ~10^6 members): uniform over valid cases.
+    while len(cases) < CI_CASES:
+        case = {n: rng.choice(v) for n, v in DIMENSIONS.items()}
+        if valid(case) and Case(**case) not in seen:
+            seen.add(Case(**case))
+            cases.append(Case(**case))
+    return cases
+
+
+# ---------------------------------------------------------------- models and data
+
+
+def _custom_layers():
+    import keras
+
+    class ActivityPenalty(keras.layers.Layer):
+        """Adds 0.01 x mean(x^2) to the loss from `call` (`add_loss`)."""
+
+        def call(self, x):
+            self.add_loss(0.01 * keras.ops.mean(keras.ops.square(x)))
+            return x
+
+    class Scale(keras.layers.Layer):
+        """A custom layer with its own weight made in `build`."""
+
+        def build(self, input_shape):
+            self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
+
+        def call(self, x):
+            return x * self.scale
+
+    class SelfAttention(keras.layers.Layer):
+        """MultiHeadAttention on one input (a chain link: the model stays a chain).
+
+        Without biases: the key bias's gradient is exactly zero in exact arithmetic (it
+        shifts every logit of a query alike), so what is computed is round-off noise, and
+        Adam-like optimizers normalise that noise into learning-rate-sized steps of random
+        sign: a difference that reassociation explains, not the mode.
+        """
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=2, use_bias=False)
+
+        def call(self, x):
+            return self.attention(x, x)
+
+    return ActivityPenalty, Scale, SelfAttention
+
+
+def _functional(*links, kwargs=None):
+    """A functional chain: `links` called in turn (layers or raw ops); kwargs per link index."""
+    import keras
+
+    inputs = x = links[0]
+    for i, link in enumerate(links[1:], 1):
+        x = link(x, **(kwargs or {}).get(i, {}))
+    return keras.Model(inputs, x)
+
+
+def _families():
+    """{layer family: a function building its model} (small chains of a few hundred params)."""
+    import keras
+
+    L, In, seq = keras.layers, keras.Input, keras.Sequential
+    ActivityPenalty, Scale, SelfAttention = _custom_layers()
+    l2, l1 = keras.regularizers.L2(0.01), keras.regularizers.L1(0.01)
+    ids = {"dtype": "int32"}
+    return {
+        "dense": lambda: seq([In((4,)), L.Dense(8, "tanh"), L.Dense(8, "tanh"), L.Dense(4, "tanh"),
+                              L.Dense(2)]),
+        "embedding_repeated": lambda: seq([In((6,), **ids), L.Embedding(6, 4), L.GlobalAveragePooling1D(),
+                                           L.Dense(4, "tanh"), L.Dense(2)]),
+        "embedding_mask_zero": lambda: seq([In((6,), **ids), L.Embedding(8, 4, mask_zero=True), L.LSTM(4),
+                                            L.Dense(4, "tanh"), L.Dense(2)]),
+        "conv": lambda: seq([In((6, 6, 1)), L.Conv2D(2, 3, activation="tanh"), L.Conv2D(2, 3), L.Flatten(),
+                             L.Dense(2)]),
+        "rnn_masked": lambda: seq([In((5, 3)), L.Masking(), L.SimpleRNN(4), L.Dense(4, "tanh"), L.Dense(2)]),
+        "lstm_masked": lambda: seq([In((5, 3)), L.Masking(), L.Dense(4), L.LSTM(4), L.Dense(2)]),
+        "gru_timestep_masked": lambda: seq([In((6,), **ids), L.Embedding(8, 4, mask_zero=True),
+                                            L.GRU(4, return_sequences=True), L.Dense(4, "tanh"), L.Dense(2)]),
+        "bidirectional_masked": lambda: seq([In((6,), **ids), L.Embedding(8, 4, mask_zero=True),
+                                             L.Bidirectional(L.LSTM(2)), L.Dense(4, "tanh"), L.Dense(2)]),
+        "attention": lambda: seq([In((5, 4)), L.Dense(4), SelfAttention(), L.GlobalAveragePooling1D(),
+                                  L.Dense(2)]),
+        "batchnorm": lambda: seq([In((4,)), L.Dense(8), L.BatchNormalization(), L.Activation("tanh"),
+                                  L.Dense(2)]),
+        # A functional chain calling BatchNormalization(training=False) (inference mode in fit).
+        "batchnorm_inference": lambda: _functional(In((4,)), L.Dense(8), L.BatchNormalization(),
+                                                   L.Dense(4, "tanh"), L.Dense(2),
+                                                   kwargs={2: {"training": False}}),
+        "dropout": lambda: seq([In((4,)), L.Dense(8, "tanh"), L.Dropout(0.5), L.Dense(4, "tanh"),
+                                L.Dense(2)]),
+        "frozen": lambda: seq([In((4,)), L.Dense(8, "tanh", trainable=False), L.Dense(4, "tanh"),
+                               L.Dense(2)]),
+        "regularizers": lambda: seq([In((4,)), L.Dense(8, "tanh", kernel_regularizer=l2, bias_regularizer=l1),
+                                     L.Dense(4, "tanh"), L.Dense(2, kernel_regularizer=l2)]),
+        "add_loss": lambda: seq([In((4,)), L.Dense(8, "tanh"), ActivityPenalty(), L.Dense(4, "tanh"),
+                                 L.Dense(2)]),
+        # A raw keras.ops call between layers and a custom layer with its own weight.
+        "custom": lambda: _functional(In((4,)), L.Dense(8), keras.ops.tanh, Scale(), L.Dense(4, "tanh"),
+                                      L.Dense(2)),
+    }  # fmt: skip
+
+
+def build_model(layer):
+    """The model of a layer family, built from the global seed (set by the caller)."""
+    return _families()[layer]()
+
+
+def make_data(layer, samples, seed):
+    """(x, y) for a layer family: y are 2 classes, per time step for per-timestep models."""
+    rng = np.random.RandomState(seed)
+    if layer == "embedding_repeated":
+        x = rng.randint(0, 3, (samples, 6)).astype("int32")  # tokens repeat within every batch
+    elif layer in ("embedding_mask_zero", "gru_timestep_masked", "bidirectional_masked"):
+        x = rng.randint(1, 8, (samples, 6)).astype("int32")
+        lengths = rng.randint(2, 7, samples)
+        x[np.arange(6)[None, :] >= lengths[:, None]] = 0  # trailing padding
+    elif layer == "conv":
+        x = rng.randn(samples, 6, 6, 1).astype("float32")
+    elif layer in ("rnn_masked", "lstm_masked", "attention"):
+        x = rng.randn(samples, 5, 3 if layer != "attention" else 4).astype("float32")
+        if layer != "attention":
+            lengths = rng.randint(2, 6, samples)
+            x[np.arange(5)[None, :] >= lengths[:, None]] = 0.0  # masked time steps
+    else:
+        x = rng.randn(samples, 4).astype("float32")
+    shape = (samples, 6) if layer == "gru_timestep_masked" else (samples,)
+    return x, rng.randint(0, 2, shape).astype("int32")
+
+
+_LEARNING_RATES = {"sgd": 0.1, "sgd_momentum": 0.1, "sgd_nesterov": 0.1, "adadelta": 0.5, "ftrl": 0.1}
+_OPTION_KWARGS = {
+    "none": {},
+    "clipnorm": {"clipnorm": 0.05},
+    "global_clipnorm": {"global_clipnorm": 0.05},
+    "clipvalue": {"clipvalue": 0.005},
+    "weight_decay": {"weight_decay": 0.1},
+    "ema": {"use_ema": True, "ema_momentum": 0.5},
+    "accumulation": {"gradient_accumulation_steps": 2},
+}
+
+
+def make_optimizer(name, option):
+    import keras
+
+    opt = keras.optimizers
+    lr = _LEARNING_RATES.get(name, 0.02)
+    if option == "lr_schedule":
+        kwargs = {"learning_rate": opt.schedules.ExponentialDecay(lr, decay_steps=1, decay_rate=0.7)}
+    else:
+        kwargs = {"learning_rate": lr, **_OPTION_KWARGS[option]}
+    if name == "loss_scale":
+        return opt.LossScaleOptimizer(opt.Adam(**kwargs))
+    classes = {
+        "sgd": opt.SGD, "adam": opt.Adam, "adamw": opt.AdamW, "rmsprop": opt.RMSprop, "adagrad": opt.Adagrad,
+        "adadelta": opt.Adadelta, "adamax": opt.Adamax, "nadam": opt.Nadam, "ftrl": opt.Ftrl,
+        "lion": opt.Lion, "adafactor": opt.Adafactor, "lamb": opt.Lamb, "muon": opt.Muon,
+    }  # fmt: skip
+    if name == "sgd_momentum":
+        return opt.SGD(momentum=0.9, **kwargs)
+    if name == "sgd_nesterov":
+        return opt.SGD(momentum=0.9, nesterov=True, **kwargs)
+    return classes[name](**kwargs)
+
+
+# ---------------------------------------------------------------- one run (reference or mode)
+
+
+def _compile(model, case):
+    import keras
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    metrics = weighted = None
+    if case.feature == "metrics":
+        metrics = [keras.metrics.SparseCategoricalAccuracy(), keras.metrics.SparseCategoricalCrossentropy(
+            from_logits=True)]  # fmt: skip
+    if case.feature == "metrics_masked":
+        weighted = [keras.metrics.SparseCategoricalAccuracy()]
+    model.compile(
+        optimizer=make_optimizer(case.optimizer, case.option),
+        loss=loss,
+        metrics=metrics,
+        weighted_metrics=weighted,
+        steps_per_execution=2 if case.feature == "steps_per_execution" else 1,
+    )
+
+
+def _fit_arguments(case, x, y):
+    """(args, kwargs) of `fit` for the case's feature."""
+    import keras
+    import tensorflow as tf
+
+    kwargs = {"epochs": EPOCHS, "shuffle": False, "verbose": 0}
+    if case.feature == "uneven_tf_data":
+        return (tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),), kwargs
+    kwargs["batch_size"] = BATCH
+    if case.feature in ("sample_weight", "metrics_masked"):
+        kwargs["sample_weight"] = np.linspace(0.5, 2.0, len(x)).astype("float32")
+    elif case.feature == "class_weight":
+        kwargs["class_weight"] = {0: 1.0, 1: 3.0}
+    elif case.feature == "validation_data":
+        kwargs["validation_data"] = make_data(case.layer, BATCH, seed=2)
+    elif case.feature == "lr_callback":
+        kwargs["callbacks"] = [keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5)]
+    return (x, y), kwargs
+
+
+def run(model, case, merged, *, files, rebuild):
+    """Trains `model` for the case and returns {name: value} of what the feature exposes.
+
+    `merged()` gives the model in the unsplit layout after training; `files` is a folder
+    for weights files; `rebuild()` a fresh plain model (to load a written file into).
+    """
+    samples = SAMPLES + 3 if case.feature.startswith("uneven") else SAMPLES
+    x, y = make_data(case.layer, samples, seed=1)
+    _compile(model, case)
+    args, kwargs = _fit_arguments(case, x, y)
+    history = model.fit(*args, **kwargs).history
+    out = {f"history.{k}": np.asarray(v) for k, v in sorted(history.items()) if k != "learning_rate"}
+    out["weights"] = [np.asarray(w) for w in merged().get_weights()]
+    xv, yv = make_data(case.layer, BATCH, seed=3)
+    if case.feature == "evaluate":
+        out["evaluate"] = np.asarray(model.evaluate(xv, yv, batch_size=BATCH, verbose=0))
+    if case.feature == "predict":
+        out["predict"] = model.predict(xv, batch_size=BATCH, verbose=0)
+    if case.feature == "save_load_weights":
+        path = os.path.join(files, "trained.weights.h5")
+        model.save_weights(path)
+        fresh = rebuild()
+        fresh.load_weights(path)
+        out["file_loaded_into_plain_model"] = fresh.get_weights()
+        model.load_weights(os.path.join(files, "..", "reference", "trained.weights.h5"))
+        out["predict_after_load_weights"] = model.predict(xv, batch_size=BATCH, verbose=0)
+    if case.feature == "get_set_weights":
+        out["get_weights"] = [np.asarray(w) for w in model.get_weights()]
+        model.set_weights([w * 0.5 for w in out["get_weights"]])
+        out["predict_after_set_weights"] = model.predict(xv, batch_size=BATCH, verbose=0)
+    return out
+
+
+# ---------------------------------------------------------------- modes
+
+
+def _strategy(case):
+    from tfscale import strategies
+
+    if case.mode in PIPELINES:
+        return strategies.get(
+            "pipeline",
+            num_stages=2,
+            num_microbatches=case.m,
+            schedule=case.mode,
+            virtual_stages=2 if case.mode == "interleaved" else 1,
+            data_parallel=case.dp,
+        )
+    if case.mode == "mirrored":
+        return strategies.get("mirrored", cpu_replicas=2)
+    return strategies.get(
+        "model_split", num_devices=2, tensor_parallel=case.mode == "tensor", data_parallel=case.dp
+    )
+
+
+def _fresh(layer):
+    import keras
+
+    keras.utils.set_random_seed(SEED)
+    return build_model(layer)
+
+
+@dataclasses.dataclass
+class Outcome:
+    case: Case
+    outcome: str  # EQUAL REFUSED DIFFER CRASH N/A
+    detail: str = ""
+    size: float = 0.0
+
+
+_REFERENCES = {}
+
+
+def reference(case, root):
+    """Plain Keras on one device for the case, shared by every case that trains the same."""
+    key = (case.optimizer, case.option, case.layer, case.feature)
+    if key not in _REFERENCES:
+        files = os.path.join(root, "reference")
+        os.makedirs(files, exist_ok=True)
+        _clear()
+        try:
+            model = _fresh(case.layer)
+            # (save_load_weights: the mode loads the file this run writes, root/reference/.)
+            _REFERENCES[key] = run(
+                model, case, lambda: model, files=files, rebuild=lambda: _fresh(case.layer)
+            )
+        except Exception as e:  # plain Keras rejects the combination: N/A
+            _REFERENCES[key] = f"{type(e).__name__}: {_first_line(e)}"
+    return _REFERENCES[key]
+
+
+def _clear():
+    import keras
+
+    keras.backend.clear_session()
+
+
+def _first_line(error):
+    """One line for a report: TensorFlow's "Graph execution error:" is followed by its cause."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if len(lines) > 1 and lines[0].endswith(":"):
+        causes = [line for line in lines[1:] if not line.startswith(("File ", "Detected at node", "["))]
+        return f"{lines[0]} {causes[-1] if causes else lines[-1]}"[:300]
+    return lines[0][:300]
+
+
+def run_case(case, tamper=None):
+    """Runs one case against its reference; `tamper(stage, model)` breaks it on purpose (tests)."""
+    from tfscale import errors
+
+    root = tempfile.mkdtemp(prefix="tfscale-eq-")
+    if case.feature == "save_load_weights":
+        _REFERENCES.pop((case.optimizer, case.option, case.layer, case.feature), None)  # its file is per root
+    ref = reference(case, root)
+    if isinstance(ref, str):
+        return Outcome(case, "N/A", f"plain Keras: {ref}")
+    _clear()
+    user = _fresh(case.layer)
+    user_before = user.get_weights()
+    model, before, steps = None, None, []
+    try:
+        strategy = _strategy(case)
+        if case.mode == "mirrored":
+            with strategy.scope():
+                model = _fresh(case.layer)
+            scope, merged = strategy.scope, lambda: model
+        else:
+            model = strategy.split(user)
+            scope, merged = contextlib.nullcontext, lambda: strategy.merge(model)
+        before = model.get_weights()
+        if tamper:
+            tamper("split", model)
+        files = os.path.join(root, "mode")
+        os.makedirs(files)
+        with scope():
+            got = run(
+                _Watched(model, tamper, lambda: steps.append(1)),
+                case,
+                merged,
+                files=files,
+                rebuild=lambda: _fresh(case.layer),
+            )
+    except errors.Error as e:
+        text = str(e)
+        changed = _changed(user_before, user.get_weights()) or (
+            model is not None and before is not None and _changed(before, model.get_weights())
+        )
+        if "\n" in text.strip():
+            return Outcome(case, "CRASH", f"refusal not one line: {type(e).__name__}: {_first_line(e)}")
+        if changed or steps:
+            return Outcome(case, "CRASH", f"refused after weights changed: {type(e).__name__}: {text[:200]}")
+        return Outcome(case, "REFUSED", f"{type(e).__name__}: {text[:300]}")
+    except Exception as e:  # the outcome names it
+        return Outcome(case, "CRASH", f"{type(e).__name__}: {_first_line(e)}")
+    return compare(case, ref, got)
+
+
+class _Watched:
+    """The model, with `fit` watched: a tamper hook after it, and a note that steps ran."""
+
+    def __init__(self, model, tamper, on_fit):
+        self._model, self._tamper, self._on_fit = model, tamper, on_fit
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def fit(self, *args, **kwargs):
+        import keras
+
+        on_fit = self._on_fit
+
+        class Stepped(keras.callbacks.Callback):
+            def on_train_batch_end(_, batch, logs=None):
+                on_fit()
+
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), Stepped()]
+        history = self._model.fit(*args, **kwargs)
+        if self._tamper:
+            self._tamper("fit", self._model)
+        return history
+
+
+def _changed(before, after):
+    return len(before) != len(after) or any(
+        a.shape != b.shape or not np.array_equal(a, b) for a, b in zip(before, after)
+    )
+
+
+def compare(case, ref, got):
+    """EQUAL, or DIFFER naming the first value off and by how much."""
+    for key in ref:
+        if key not in got:
+            return Outcome(case, "DIFFER", f"{key}: missing (got {sorted(got)})", float("inf"))
+        a, b = ref[key], got[key]
+        if isinstance(a, list):
+            if len(a) != len(b) or any(np.shape(x) != np.shape(z) for x, z in zip(a, b)):
+                return Outcome(case, "DIFFER", f"{key}: layout {[np.shape(z) for z in b]} "
+                               f"instead of {[np.shape(x) for x in a]}", float("inf"))  # fmt: skip
+            pairs = list(zip(a, b))
+        else:
+            if np.shape(a) != np.shape(b):
+                return Outcome(
+                    case, "DIFFER", f"{key}: shape {np.shape(b)} instead of {np.shape(a)}", float("inf")
+                )
+            pairs = [(a, b)]
+        for i, (want, have) in enumerate(pairs):
+            x, z = np.asarray(want, dtype="float64"), np.asarray(have, dtype="float64")
+            excess = np.abs(x - z) - (TOLERANCE + TOLERANCE * np.abs(x))
+            if np.any(excess > 0) or not np.all(np.isfinite(z) == np.isfinite(x)):
+                size = float(np.nanmax(np.abs(x - z)))
+                where = f"[{i}]" if len(pairs) > 1 else ""
+                return Outcome(case, "DIFFER", f"{key}{where} off by {size:.2g}", size)
+    return Outcome(case, "EQUAL")
+
+
+BASELINE = {"m": 1, "dp": 1, "optimizer": "sgd", "option": "none", "layer": "dense", "feature": "fit"}
+
+
+def minimize(case, run=None):
+    """The smallest case failing like `case`: each dimension reset to BASELINE where it still fails.
+
+    A failing case varies several dimensions at once; this names the ones that matter
+    (what a minimal reproducer needs). Returns (minimal case, its outcome).
+    """
+    run = run or run_case
+    outcome = run(case)
+    if outcome.outcome not in ("DIFFER", "CRASH"):
+        return case, outcome
+    for name, value in BASELINE.items():
+        trial = dataclasses.replace(case, **{name: value})
+        if trial == case or not valid(vars(trial)):
+            continue
+        tried = run(trial)
+        if tried.outcome == outcome.outcome:
+            case, outcome = trial, tried
+    return case, outcome
+
+
+# ---------------------------------------------------------------- the table
+
+
+FAMILIES = {"optimizer": OPTIMIZERS, "option": OPTIONS, "layer": LAYERS, "feature": FEATURES}
+
+
+def mode_label(case):
+    if case.mode in PIPELINES:
+        return f"pipeline {case.mode} M={case.m} D={case.dp}"
+    if case.mode == "mirrored":
+        return "mirrored (2 replicas, reference)"
+    return f"{case.mode} split D={case.dp}"
+
+
+def table(outcomes):
+    """Markdown: per mode, the outcome counts; the values never seen exact, and those refused."""
+    kinds = ("EQUAL", "REFUSED", "DIFFER", "CRASH", "N/A")
+    rows = {}
+    for o in outcomes:
+        rows.setdefault(mode_label(o.case), []).append(o)
+    lines = [
+        "| mode | cases | " + " | ".join(kinds) + " | in a failing case, never in an equal one | refused |",
+        "|---|---:|" + "---:|" * len(kinds) + "---|---|",
+    ]
+    for label in sorted(rows):
+        group = rows[label]
+        counts = [sum(o.outcome == k for o in group) for k in kinds]
+        by_kind = {k: set() for k in kinds}
+        for o in group:
+            values = {o.case.optimizer, o.case.option, o.case.layer, o.case.feature} - {"none", "fit"}
+            by_kind[o.outcome] |= values
+        never = (by_kind["DIFFER"] | by_kind["CRASH"]) - by_kind["EQUAL"]
+        refused = by_kind["REFUSED"] - by_kind["EQUAL"]
+        lines.append(
+            f"| {label} | {len(group)} | " + " | ".join(map(str, counts))
+            + f" | {', '.join(sorted(never)) or '-'} | {', '.join(sorted(refused)) or '-'} |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def failures(outcomes):
+    """DIFFER/CRASH cases grouped by their message with numbers taken out, smallest case first."""
+    groups = {}
+    for o in outcomes:
+        if o.outcome in ("DIFFER", "CRASH"):
+            cause = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "#", o.detail)
+            groups.setdefault((o.outcome, cause), []).append(o)
+    lines = []
+    for (kind, cause), group in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        sizes = [o.size for o in group]
+        lines.append(f"{kind} x{len(group)} {cause}  (size {min(sizes):.2g}..{max(sizes):.2g})")
+        for o in group[:6]:
+            lines.append(f"    {o.case.id}: {o.detail}")
+    return "\n".join(lines)
+
+
+_LINE = re.compile(r"^\[\d+/\d+ \d+s\] (EQUAL|REFUSED|DIFFER|CRASH|N/A) +(\S+) ?(.*)$")
+
+
+def outcomes_from_log(path):
+    """The outcomes printed by a run of `main` (to redo the table without running again)."""
+    outcomes = []
+    with open(path) as f:
+        for line in f:
+            match = _LINE.match(line.rstrip("\n"))
+            if match:
+                kind, case_id, detail = match.groups()
+                size = re.search(r"off by (\S+)$", detail)
+                outcomes.append(
+                    Outcome(_parse_id(case_id), kind, detail, float(size.group(1)) if size else 0.0)
+                )
+    return outcomes
+
+
+def _parse_id(case_id):
+    """The Case of a `Case.id` ("zb-h1" is the one value with a dash)."""
+    head = "zb-h1" if case_id.startswith("zb-h1-") else case_id.split("-")[0]
+    m, dp, *rest = case_id[len(head) + 1 :].split("-")
+    return Case(head, int(m), int(dp), *rest)
+
+
+def main(argv):
+    """`python tests/_equivalence.py [fast|ci|full] [--markdown FILE] [--from-log LOG]`."""
+    if "--from-log" in argv:
+        outcomes = outcomes_from_log(argv[argv.index("--from-log") + 1])
+        text = table(outcomes)
+        print(f"{len(outcomes)} cases\n\n{text}\n\n{failures(outcomes)}")
+        if "--markdown" in argv:
+            with open(argv[argv.index("--markdown") + 1], "w") as f:
+                f.write(text + "\n")
+        return 0
+    if "--minimize" in argv:  # the case ids after it, e.g. from a red CI run
+        for case_id in argv[argv.index("--minimize") + 1 :]:
+            small, outcome = minimize(_parse_id(case_id))
+            print(f"{case_id} -> {small.id}: {outcome.outcome} {outcome.detail}", flush=True)
+        return 0
+    tier = argv[1] if len(argv) > 1 and not argv[1].startswith("-") else "fast"
+    from tfscale import strategies
+
+    strategies.split_cpu(4)  # as tests/conftest.py
+    cases = tier_cases(tier)
+    pattern = os.environ.get("TFSCALE_EQUIVALENCE_K")
+    if pattern:
+        cases = [c for c in cases if re.search(pattern, c.id)]
+    start, outcomes = time.time(), []
+    for i, case in enumerate(cases):
+        outcomes.append(run_case(case))
+        o = outcomes[-1]
+        print(
+            f"[{i + 1}/{len(cases)} {time.time() - start:.0f}s] {o.outcome:7} {case.id} {o.detail}",
+            flush=True,
+        )
+    text = table(outcomes)
+    print(f"\n{tier}: {len(cases)} cases in {time.time() - start:.0f} s\n\n{text}\n\n{failures(outcomes)}")
+    if "--markdown" in argv:
+        with open(argv[argv.index("--markdown") + 1], "w") as f:
+            f.write(text + "\n")
+    return int(any(o.outcome in ("DIFFER", "CRASH") for o in outcomes))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main(sys.argv))

@@ -35,7 +35,7 @@ from tfscale.strategies._placement import place_slots_with_variables, variable_d
 __all__ = ["Replicas", "check_data_parallel", "draw_as_whole_batch", "group_devices"]
 
 # Layers whose training output draws random numbers of the input's shape, row by row.
-_RANDOM_LAYERS = (
+RANDOM_LAYERS = (
     keras.layers.Dropout,  # and SpatialDropout1D/2D/3D
     keras.layers.GaussianDropout,
     keras.layers.GaussianNoise,
@@ -93,7 +93,7 @@ class Replicas:
     def __init__(self, replicas):
         self.holders = [list(rs) for rs in replicas]
         self.size = len(self.holders)
-        self._trees = [_layer_tree(holders) for holders in self.holders]
+        self._trees = [layer_tree(holders) for holders in self.holders]
         kinds = [[type(layer) for layer in tree] for tree in self._trees]
         if any(k != kinds[0] for k in kinds) or any(
             len(vs) != len(self.variables[0]) for vs in self.variables
@@ -238,7 +238,7 @@ class _LearningRateOf:
         return self.optimizer.learning_rate
 
 
-def _layer_tree(holders):
+def layer_tree(holders):
     """Every layer in `holders` and nested in them (attributes, lists, dicts), in one order."""
     found, seen = [], set()
 
@@ -271,8 +271,8 @@ def draw_as_whole_batch(holders, index, count):
     placed in a batch of zeros of the whole batch's size, and keeps its rows of the output:
     the same numbers as one device, bit for bit, for D x the layer's (elementwise) work.
     """
-    for layer in _layer_tree(holders):
-        if isinstance(layer, _RANDOM_LAYERS) and not getattr(layer.call, _WHOLE_BATCH, False):
+    for layer in layer_tree(holders):
+        if isinstance(layer, RANDOM_LAYERS) and not getattr(layer.call, _WHOLE_BATCH, False):
             _draw_as_whole_batch(layer, index, count)
 
 

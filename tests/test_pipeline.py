@@ -484,7 +484,7 @@ def test_deferred_batch_norm_moving_statistics_equal_the_unsplit_models(schedule
         return [np.asarray(v) for v in layer.weights[2:]]  # moving mean and variance
 
     expected = moving_statistics(_normalised_mlp(nested))
-    options = {"num_stages": 2, "num_microbatches": 4, "schedule": schedule}
+    options = {"num_stages": 2, "num_microbatches": 4, "schedule": schedule, "microbatch_statistics": True}
     deferred = moving_statistics(PipelineStrategy(**options).split(_normalised_mlp(nested)))
     for got, want in zip(deferred, expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -226,7 +226,12 @@ def test_recompute_draws_the_forwards_dropout_masks():
     runs = []
     for recompute in (False, True):
         pipelined = tfscale.strategies.get(
-            "pipeline", num_stages=2, num_microbatches=2, recompute=recompute, balance=[1, 2]
+            "pipeline",
+            num_stages=2,
+            num_microbatches=2,
+            recompute=recompute,
+            balance=[1, 2],
+            microbatch_statistics=True,  # two micro-batches draw two masks: both runs alike
         ).split(_dropout_model())
         runs.append((pipelined, _fit(pipelined, x, y, keras.optimizers.SGD(0.1))))
     (plain, history_plain), (recomputed, history) = runs
@@ -354,7 +359,8 @@ def test_batch_smaller_than_the_microbatches_leaves_batch_norm_finite(options):
     model = keras.Sequential(
         [keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
     )
-    pipelined = tfscale.strategies.get("pipeline", num_stages=2, **options).split(model)
+    pipelined = tfscale.strategies.get("pipeline", num_stages=2, microbatch_statistics=True, **options)
+    pipelined = pipelined.split(model)
     _fit(pipelined, x, y, keras.optimizers.SGD(0.1), batch_size=5, dataset=True)
     assert all(np.isfinite(w).all() for w in pipelined.get_weights())
 
@@ -371,7 +377,9 @@ def _mlp():
 
 def test_save_writes_the_unsplit_model_that_load_model_reads(tmp_path):
     x, y = _dense_data()
-    pipelined = tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=2).split(_dropout_model())
+    pipelined = tfscale.strategies.get(
+        "pipeline", num_stages=2, num_microbatches=2, microbatch_statistics=True
+    ).split(_dropout_model())
     _fit(pipelined, x, y, keras.optimizers.Adam(0.01))
     pipelined.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")
@@ -379,3 +387,40 @@ def test_save_writes_the_unsplit_model_that_load_model_reads(tmp_path):
     np.testing.assert_allclose(
         loaded.predict(x, verbose=0), pipelined.predict(x, verbose=0), rtol=RTOL, atol=ATOL
     )
+
+
+# -- Layers that need the whole batch: refused at M > 1 unless GPipe's semantics are asked for --
+
+
+@pytest.mark.parametrize(
+    "layer, what",
+    [
+        (lambda: keras.layers.BatchNormalization(name="norm"), "own mean and variance"),
+        (lambda: keras.layers.Dropout(0.3, name="norm"), "new random mask"),
+        (lambda: keras.layers.GaussianNoise(0.1, name="norm"), "new random mask"),
+    ],
+)
+def test_layers_that_need_the_whole_batch_are_refused_at_several_microbatches(layer, what):
+    # One device normalises by (or draws a mask of) the whole batch; each micro-batch would
+    # use its own: refused in `split`, before anything runs, unless asked for.
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), layer(), keras.layers.Dense(3)])
+
+    strategy = tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=2)
+    with pytest.raises(
+        StrategyError, match=rf"^Layer 'norm' .*{what} at num_microbatches=2.*microbatch_statistics=True"
+    ):
+        strategy.split(model())
+    tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=1).split(model())
+    tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=2, microbatch_statistics=True).split(
+        model()
+    )
+
+
+def test_frozen_or_rate_zero_layers_are_not_refused_at_several_microbatches():
+    keras.utils.set_random_seed(0)
+    norm = keras.layers.BatchNormalization()
+    norm.trainable = False
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), norm, keras.layers.Dropout(0.0)])
+    tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=2).split(model)

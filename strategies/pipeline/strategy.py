@@ -23,7 +23,7 @@ import logging
 
 import keras
 
-from tfscale.strategies import _partition, _parts
+from tfscale.strategies import _partition, _parts, _replicas
 from tfscale.strategies._devices import available_devices, device_key, device_type, resolve_devices
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._options import positive_int, reject_unknown
@@ -46,6 +46,7 @@ _OPTIONS = (
     "serialize_stages",
     "deferred_batch_norm",
     "data_parallel",
+    "microbatch_statistics",
 )
 
 
@@ -85,6 +86,13 @@ class PipelineStrategy:
             (in order: replica r the r-th slice) and each stage's gradients are summed
             over the D copies by one all-reduce before the update (`strategies._replicas`).
             The batch size must then be a multiple of D x M.
+        microbatch_statistics: with M > 1, accept GPipe's semantics for layers that
+            depend on the whole batch in training: a trainable BatchNormalization
+            normalises each micro-batch by that micro-batch's mean and variance, and a
+            Dropout-like layer draws a new mask per micro-batch, so losses and weights
+            differ from one device's. False (default) refuses such a model in `split`,
+            naming the layer: results are plain Keras's or refused, never silently
+            different. Irrelevant at M = 1.
 
     Raises:
         StrategyError: an option out of range, or D x S more than the devices.
@@ -103,6 +111,7 @@ class PipelineStrategy:
         serialize_stages=None,
         deferred_batch_norm=True,
         data_parallel=1,
+        microbatch_statistics=False,
         **unknown,
     ):
         reject_unknown("pipeline", unknown, _OPTIONS)
@@ -126,6 +135,12 @@ class PipelineStrategy:
                 f"deferred_batch_norm={deferred_batch_norm!r}. Expected True or False."
             )
         self.deferred_batch_norm = deferred_batch_norm and not recompute
+        if not isinstance(microbatch_statistics, bool):
+            raise StrategyError(
+                f"Invalid value for argument `microbatch_statistics`. Received: "
+                f"microbatch_statistics={microbatch_statistics!r}. Expected True or False."
+            )
+        self.microbatch_statistics = microbatch_statistics
         if serialize_stages not in (None, True, False):
             raise StrategyError(
                 f"Invalid value for argument `serialize_stages`. Received: "
@@ -217,6 +232,8 @@ class PipelineStrategy:
                     f"Layer {layer.name!r} has an activity regulariser, which a pipeline cannot "
                     "sum over micro-batches like Keras does. Expected layers without one."
                 )
+        if self.num_microbatches > 1 and not self.microbatch_statistics:
+            _refuse_per_microbatch_layers(layers, self.num_microbatches)
         call_kwargs = _call_kwargs(model, layers)
         counts = _partition.balance(layers, len(self.stage_devices), self.balance, sample_input)
         partition = _partition.describe(layers, counts, self.stage_devices)
@@ -348,3 +365,26 @@ def _resolve(devices, num_stages, data_parallel):
             f"{count} distinct devices for data_parallel={data_parallel} x num_stages={num_stages}."
         )
     return names
+
+
+def _refuse_per_microbatch_layers(layers, num_microbatches):
+    """Refuses layers whose training output depends on the whole batch at M > 1.
+
+    Raises:
+        StrategyError: a trainable BatchNormalization (batch statistics) or a random
+            layer with a non-zero rate (one mask per micro-batch), nested ones included.
+    """
+    for layer in _replicas.layer_tree(layers):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+            what = "normalise each micro-batch by its own mean and variance"
+        elif isinstance(layer, _replicas.RANDOM_LAYERS) and getattr(layer, "rate", 1):
+            what = "draw a new random mask for each micro-batch"
+        else:
+            continue
+        raise StrategyError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) would {what} at num_microbatches="
+            f"{num_microbatches}, not once for the whole batch as one device does (losses and weights "
+            "would differ). Expected num_microbatches=1, the layer frozen (trainable=False) or "
+            "LayerNormalization for BatchNormalization, or microbatch_statistics=True to accept "
+            "GPipe's per-micro-batch semantics."
+        )

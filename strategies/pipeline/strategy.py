@@ -377,14 +377,15 @@ def _refuse_per_microbatch_layers(layers, num_microbatches):
     for layer in _replicas.layer_tree(layers):
         if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
             what = "normalise each micro-batch by its own mean and variance"
+            instead = "the layer frozen (trainable=False: moving statistics), LayerNormalization"
         elif isinstance(layer, _replicas.RANDOM_LAYERS) and getattr(layer, "rate", 1):
             what = "draw a new random mask for each micro-batch"
+            instead = "rate=0"
         else:
             continue
         raise StrategyError(
             f"Layer {layer.name!r} ({type(layer).__name__}) would {what} at num_microbatches="
             f"{num_microbatches}, not once for the whole batch as one device does (losses and weights "
-            "would differ). Expected num_microbatches=1, the layer frozen (trainable=False) or "
-            "LayerNormalization for BatchNormalization, or microbatch_statistics=True to accept "
-            "GPipe's per-micro-batch semantics."
+            f"would differ). Expected num_microbatches=1, {instead}, or microbatch_statistics=True "
+            "to accept GPipe's per-micro-batch semantics."
         )

@@ -22,6 +22,8 @@ Keras (weights files, backups); `sync` copies them into the other replicas after
 outside training writes them (a restore, `load_weights`, `set_weights`).
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -262,6 +264,26 @@ def layer_tree(holders):
     return found
 
 
+# The whole batch's size while a data-parallel step is traced (`whole_batch_rows`).
+_BATCH_ROWS = []
+
+
+@contextlib.contextmanager
+def whole_batch_rows(n):
+    """While a step is traced: the batch has `n` rows, cut into `count` slices one sample
+    apart, the first `n % count` one larger (`slice_sizes`); random layers find their rows."""
+    _BATCH_ROWS.append(n)
+    try:
+        yield
+    finally:
+        _BATCH_ROWS.pop()
+
+
+def slice_sizes(n, count):
+    """The sizes of `count` slices of `n` rows that differ by at most one, larger first."""
+    return [(n + count - 1 - i) // count for i in range(count)]
+
+
 def draw_as_whole_batch(holders, index, count):
     """Makes replica `index` of `count` draw its random layers' numbers as one device does.
 
@@ -284,10 +306,12 @@ def _draw_as_whole_batch(layer, index, count):
             return call(inputs, training=training, **kwargs)
         rows = tf.shape(inputs)[0]
         rest = tf.shape(inputs)[1:]
-        before = tf.zeros(tf.concat([[index * rows], rest], 0), inputs.dtype)
-        after = tf.zeros(tf.concat([[(count - index - 1) * rows], rest], 0), inputs.dtype)
+        n = tf.cast(_BATCH_ROWS[-1], rows.dtype) if _BATCH_ROWS else count * rows
+        offset = index * (n // count) + tf.minimum(index, n % count)  # `slice_sizes` before it
+        before = tf.zeros(tf.concat([[offset], rest], 0), inputs.dtype)
+        after = tf.zeros(tf.concat([[n - offset - rows], rest], 0), inputs.dtype)
         outputs = call(tf.concat([before, inputs, after], 0), training=training, **kwargs)
-        mine = outputs[index * rows : (index + 1) * rows]
+        mine = outputs[offset : offset + rows]
         mine.set_shape(inputs.shape)
         return mine
 

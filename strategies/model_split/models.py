@@ -15,7 +15,13 @@ from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._loss_split import loss_reduction, slice_weights
 from tfscale.strategies._parts import merge
 from tfscale.strategies._placement import on_device, place_slots_with_variables
-from tfscale.strategies._replicas import Replicas, SyncedReplicas, draw_as_whole_batch
+from tfscale.strategies._replicas import (
+    Replicas,
+    SyncedReplicas,
+    draw_as_whole_batch,
+    slice_sizes,
+    whole_batch_rows,
+)
 from tfscale.strategies.model_split.layers import ModelSplitError, ShardGroup
 
 __all__ = ["DataParallelSplit", "SplitFunctional", "SplitSequential"]
@@ -240,8 +246,14 @@ class _Others:
 
 
 def _split(data, d):
-    """`data` (a tensor, or a dict / list of them) cut into D slices along the batch."""
-    pieces = [tf.split(t, d) for t in keras.tree.flatten(data)]
+    """`data` (a tensor, or a dict / list of them) cut into D slices along the batch.
+
+    A batch that D does not divide (a dataset's last batch) gives slices one sample apart,
+    the first ones larger (`slice_sizes`; maybe empty), as the pipeline cuts its batches.
+    """
+    leaves = keras.tree.flatten(data)
+    sizes = tf.stack(slice_sizes(tf.shape(leaves[0])[0], d))
+    pieces = [tf.split(t, sizes, num=d) for t in leaves]
     return [keras.tree.pack_sequence_as(data, [p[r] for p in pieces]) for r in range(d)]
 
 
@@ -329,13 +341,12 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        batch = tf.shape(keras.tree.flatten(x)[0])[0]
+        with whole_batch_rows(batch):  # Dropout's rows of one device's mask, in any slice size
+            return self._train_step(x, y, sample_weight, batch)
+
+    def _train_step(self, x, y, sample_weight, batch):
         models, d = self.replica_models, len(self.replica_models)
-        n = keras.tree.flatten(x)[0].shape[0]
-        if n is not None and n % d:
-            raise StrategyError(
-                f"Invalid value for argument `data_parallel`. Received: data_parallel={d} for a batch "
-                f"of {n} samples. Expected batch sizes that are multiples of {d}."
-            )
         xs, ys = _split(x, d), _split(y, d)
         sws = None if sample_weight is None else _split(sample_weight, d)
         reduction = _reduction(self.loss)
@@ -345,11 +356,22 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
         for tape, model, x_r in zip(tapes, models, xs):
             with tape:
                 y_preds.append(model(x_r, training=True))
-        weights = _masked_slice_weights(reduction, y_preds) or slice_weights(reduction, sws, d)
+        rows = [tf.shape(keras.tree.flatten(x_r)[0])[0] for x_r in xs]
+        weights = _masked_slice_weights(reduction, y_preds) or slice_weights(reduction, sws, d, sizes=rows)
         gradients, terms = [], []
         for r, (tape, model, y_pred) in enumerate(zip(tapes, models, y_preds)):
             with tape:  # the same tape again: the loss is recorded after its forward
-                value = loss_object(ys[r], y_pred, None if sws is None else sws[r]) * weights[r]
+                # An empty slice (a batch smaller than D) adds nothing: its mean loss is 0 / 0.
+                value = (
+                    tf.cond(
+                        rows[r] > 0,
+                        lambda r=r, y_pred=y_pred: loss_object(
+                            ys[r], y_pred, None if sws is None else sws[r]
+                        ),
+                        lambda: tf.constant(0.0),
+                    )
+                    * weights[r]
+                )
                 # The weight penalty: 1/D from each replica adds up to one penalty.
                 penalty = tf.add_n(model.losses) if model.losses else None
                 total = value if penalty is None else value + penalty / d
@@ -363,7 +385,7 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
             terms.append(total)
         replicas = self._data_parallel()
         replicas.apply(replicas.all_reduce(gradients))
-        keras_compile_loss.update_loss_tracker(self, tf.add_n(terms), tf.shape(keras.tree.flatten(x)[0])[0])
+        keras_compile_loss.update_loss_tracker(self, tf.add_n(terms), batch)
         if keras.tree.is_nested(y_preds[0]):  # several outputs, or one in a dict or list
             leaves = zip(*(keras.tree.flatten(y) for y in y_preds))
             y_pred = keras.tree.pack_sequence_as(y_preds[0], [tf.concat(ls, axis=0) for ls in leaves])

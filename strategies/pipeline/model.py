@@ -142,6 +142,12 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        # With one micro-batch per copy, each copy's Dropout draws its rows of one device's
+        # mask (`_replicas.draw_as_whole_batch`): it needs the whole batch's size.
+        with _replicas.whole_batch_rows(tf.shape(keras.tree.flatten(x)[0])[0]):
+            return self._train_step(x, y, sample_weight)
+
+    def _train_step(self, x, y, sample_weight):
         m, replicas = self.num_microbatches, self.replicas
         d = len(replicas)
         batch = tf.shape(x)[0]

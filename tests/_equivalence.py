@@ -22,12 +22,18 @@ writes, `get_weights`/`set_weights`. Outcomes:
 Only EQUAL, REFUSED and N/A pass.
 
 Tiers (one process, 4 logical CPUs from tests/conftest.py, references shared by key):
-    fast  `pytest tests/test_equivalence.py -m "not slow"`: a pairwise cover, every pair of
-          values of any two dimensions in at least one case (`pairwise`, fixed seed).
-    ci    `pytest tests/test_equivalence.py -m slow`: a wider sample of the whole cross
-          drawn with a fixed seed (CI_CASES cases), none of them in the fast tier.
-    full  `TFSCALE_EQUIVALENCE=full pytest tests/test_equivalence.py -m slow`: the whole
-          cross (hundreds of thousands of cases: select with `-k`, e.g. `-k "tensor and adam"`).
+    smoke     `pytest tests/test_equivalence.py -m "not slow"` (the suite's fast tier): the
+              first pairwise case of each model-parallel mode, M and D (~20 cases, ~1 min).
+    pairwise  `pytest tests/test_equivalence.py -m slow` (in `.ci/run`): a pairwise cover,
+              every pair of values of any two dimensions in at least one case (`pairwise`,
+              fixed seed; 267 cases, ~10 min on a quiet 2-core machine: too slow for the
+              5-minute fast tier, measured, so it is the CI gate). Cases with a known open
+              difference are strict xfails in tests/test_equivalence.py (`KNOWN`), each with
+              its reason: one that starts to pass fails the run until it leaves the list.
+    ci        `TFSCALE_EQUIVALENCE=ci pytest tests/test_equivalence.py -m slow`: a wider sample
+              of the whole cross drawn with a fixed seed (CI_CASES cases, none pairwise).
+    full      `TFSCALE_EQUIVALENCE=full pytest tests/test_equivalence.py -m slow`: the whole
+              cross (hundreds of thousands of cases: select with `-k`, e.g. `-k "tensor and adam"`).
 Table: `python tests/_equivalence.py [fast|ci|full] [--markdown FILE]` runs a tier and
 prints the per-mode table (README "What each model-parallel mode supports exactly") and
 every DIFFER/CRASH case with its size.
@@ -160,10 +166,17 @@ def full_cross(dimensions=DIMENSIONS):
 
 
 def tier_cases(tier):
-    """The cases of a tier: "fast" (pairwise), "ci" (a seeded sample beside it) or "full"."""
+    """The cases of a tier: "smoke" (one pairwise case per mode, M and D), "fast" (the
+    pairwise cover), "ci" (a seeded sample beside it) or "full"."""
     fast = pairwise()
     if tier == "fast":
         return fast
+    if tier == "smoke":
+        first = {}
+        for case in fast:
+            if case.mode != "mirrored":  # the reference mode: in the pairwise tier
+                first.setdefault((case.mode, case.m, case.dp), case)
+        return list(first.values())
     if tier == "full":
         return list(full_cross())
     if tier != "ci":
@@ -254,11 +267,13 @@ def _families():
                                              L.Bidirectional(L.LSTM(2)), L.Dense(4, "tanh"), L.Dense(2)]),
         "attention": lambda: seq([In((5, 4)), L.Dense(4), SelfAttention(), L.GlobalAveragePooling1D(),
                                   L.Dense(2)]),
-        "batchnorm": lambda: seq([In((4,)), L.Dense(8), L.BatchNormalization(), L.Activation("tanh"),
-                                  L.Dense(2)]),
+        # No bias before BatchNormalization: it removes the mean, so that bias's true gradient
+        # is zero and its round-off noise (~1e-8) becomes a full step under Adam-like updates.
+        "batchnorm": lambda: seq([In((4,)), L.Dense(8, use_bias=False), L.BatchNormalization(),
+                                  L.Activation("tanh"), L.Dense(2)]),
         # A functional chain calling BatchNormalization(training=False) (inference mode in fit).
-        "batchnorm_inference": lambda: _functional(In((4,)), L.Dense(8), L.BatchNormalization(),
-                                                   L.Dense(4, "tanh"), L.Dense(2),
+        "batchnorm_inference": lambda: _functional(In((4,)), L.Dense(8, use_bias=False),
+                                                   L.BatchNormalization(), L.Dense(4, "tanh"), L.Dense(2),
                                                    kwargs={2: {"training": False}}),
         "dropout": lambda: seq([In((4,)), L.Dense(8, "tanh"), L.Dropout(0.5), L.Dense(4, "tanh"),
                                 L.Dense(2)]),

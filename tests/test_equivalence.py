@@ -1,9 +1,9 @@
 """Every model-parallel mode gives plain Keras's result, or refuses in one line: generated cases.
 
 The cases, the comparison and the tiers are in tests/_equivalence.py (read its docstring):
-    fast  pytest tests/test_equivalence.py -m "not slow"       (pairwise cover)
-    ci    pytest tests/test_equivalence.py -m slow             (a seeded wider sample)
-    full  TFSCALE_EQUIVALENCE=full pytest tests/test_equivalence.py -m slow   (the whole cross)
+    smoke     pytest tests/test_equivalence.py -m "not slow"   (one case per mode, M and D)
+    pairwise  pytest tests/test_equivalence.py -m slow         (the pairwise cover: the CI gate)
+    ci/full   TFSCALE_EQUIVALENCE=ci|full pytest tests/test_equivalence.py -m slow
 Each case passes when EQUAL, REFUSED (one line, before any step, nothing changed) or N/A
 (plain Keras itself rejects the combination). The per-mode table:
 `python tests/_equivalence.py fast --markdown table.md`.
@@ -18,8 +18,20 @@ import pytest
 from tfscale import errors
 
 PASS = ("EQUAL", "REFUSED", "N/A")
-FAST = eq.tier_cases("fast")
-WIDE = eq.tier_cases("full" if os.environ.get("TFSCALE_EQUIVALENCE") == "full" else "ci")
+SMOKE = eq.tier_cases("smoke")
+PAIRWISE = eq.tier_cases("fast")
+WIDE_TIER = os.environ.get("TFSCALE_EQUIVALENCE")  # "ci" or "full": on demand
+
+# Open differences, each a strict xfail with its reason: listed, never hidden, and a case
+# that starts to pass fails the run until it is taken off this list.
+_MIRRORED = "mirrored is TensorFlow's own MirroredStrategy (the reference mode, not a tfscale split): "
+KNOWN = {}
+
+
+def _param(case):
+    reason = KNOWN.get(case.id)
+    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    return pytest.param(case, id=case.id, marks=marks)
 
 
 def _check(case):
@@ -27,22 +39,52 @@ def _check(case):
     assert outcome.outcome in PASS, f"{outcome.outcome}: {case.id}: {outcome.detail}"
 
 
-@pytest.mark.parametrize("case", FAST, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", SMOKE, ids=lambda c: c.id)
 def test_mode_equals_plain_keras(case):
     _check(case)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", WIDE, ids=lambda c: c.id)
-def test_mode_equals_plain_keras_wide(case):
+@pytest.mark.parametrize("case", [_param(c) for c in PAIRWISE])
+def test_mode_equals_plain_keras_pairwise(case):
     _check(case)
+
+
+if WIDE_TIER:
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("case", eq.tier_cases(WIDE_TIER), ids=lambda c: c.id)
+    def test_mode_equals_plain_keras_wide(case):
+        _check(case)
+
+
+# Cases the harness found differing or crashing, fixed at their cause: kept in the fast tier.
+REGRESSIONS = [
+    eq.Case("tensor", 1, 1, "adam", "none", "lstm_masked", "fit"),  # split Dense dropped the mask
+    eq.Case("layer", 1, 2, "ftrl", "global_clipnorm", "gru_timestep_masked", "uneven_numpy"),  # tf.split
+    eq.Case("tensor", 1, 2, "adagrad", "clipvalue", "bidirectional_masked", "uneven_tf_data"),
+    eq.Case("1f1b", 2, 1, "adam", "none", "batchnorm", "evaluate"),  # per-micro-batch statistics: refused
+    eq.Case("zb-h1", 2, 1, "lion", "global_clipnorm", "dropout", "validation_data"),  # masks: refused
+]
+
+
+@pytest.mark.parametrize("case", REGRESSIONS, ids=lambda c: c.id)
+def test_cases_found_by_the_harness_stay_fixed(case):
+    _check(case)
+
+
+def test_smoke_cases_are_pairwise_cases_of_every_split_mode():
+    assert {(c.mode, c.m, c.dp) for c in SMOKE} == {
+        (c.mode, c.m, c.dp) for c in PAIRWISE if c.mode != "mirrored"
+    }
+    assert set(SMOKE) <= set(PAIRWISE) and set(KNOWN) <= {c.id for c in PAIRWISE}
 
 
 def test_pairwise_covers_every_pair():
     names = list(eq.DIMENSIONS)
     seen = {
         ((a, getattr(c, a)), (b, getattr(c, b)))
-        for c in FAST
+        for c in PAIRWISE
         for i, a in enumerate(names)
         for b in names[i + 1 :]
     }
@@ -52,8 +94,8 @@ def test_pairwise_covers_every_pair():
                 for vb in eq.DIMENSIONS[b]:
                     if eq.valid({a: va, b: vb}):
                         assert ((a, va), (b, vb)) in seen, (a, va, b, vb)
-    assert all(eq.valid(vars(c)) for c in FAST)
-    assert eq.pairwise() == FAST  # deterministic: a failure reproduces by its id
+    assert all(eq.valid(vars(c)) for c in PAIRWISE)
+    assert eq.pairwise() == PAIRWISE  # deterministic: a failure reproduces by its id
 
 
 # The harness itself must be able to fail: the same cases, broken on purpose.

@@ -180,6 +180,8 @@ class _DenseLike(_Sharded):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.bias = []
+        # As keras.layers.Dense: a timestep mask (Masking, Embedding(mask_zero)) passes through.
+        self.supports_masking = True
 
     def full_weights(self):
         """The weights as the unsplit `keras.layers.Dense` holds them: [kernel, bias]."""

@@ -92,9 +92,9 @@ def _unsplit_layout(model):
 class _PlacedSlots:
     """Mixin of the split models: `compile` places the optimizer's slots with their variables
     and fits the optimizer to tensor-split weights (`fit_optimizer_to_shards`);
-    `get_weights` / `set_weights` use the unsplit model's layout (a tensor-split weight is
-    one array, as in the model that was split), and `load_weights` also takes a weights
-    file of that model (`remember_origin`)."""
+    `get_weights` / `set_weights` and `save_weights` use the unsplit model's layout (a
+    tensor-split weight is one array, as in the model that was split), and `load_weights`
+    also takes a weights file of that model (`remember_origin`)."""
 
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
@@ -133,6 +133,16 @@ class _PlacedSlots:
             )
         for item, value in zip(layout, weights):
             item.assign(value)
+
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+        """Writes the weights file of the unsplit model (tensor-split weights gathered whole).
+
+        The file loads into the user's own model, as a layer split's (and a pipeline's) does.
+        """
+        origin = getattr(self, "_tfscale_origin", None)
+        if origin is None or not any(getattr(layer, "shard_groups", ()) for layer in self.layers):
+            return super().save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
+        return merge(origin, self).save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
         """Loads a weights file of this split model, or of the unsplit model it was split from."""

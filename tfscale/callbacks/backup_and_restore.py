@@ -182,10 +182,10 @@ def _check_consistent(backup):
     name = os.path.basename(backup.path)
     if re.fullmatch(r"ckpt-[0-9]{12,}", name) and int(name[5:]) != meta["global_step"]:
         raise torn(f"says global step {meta['global_step']}, its name {name}")
-    if meta["step"] > meta["global_step"] or not (
-        meta.get("job_id") is None or isinstance(meta.get("job_id"), str)
-    ):
-        raise torn("has an inconsistent step or job_id")
+    # (`step > global_step` is impossible only when every epoch had this fit's steps: an
+    # elastic resize converts the step to the new batch size; `_check_in_range` checks it.)
+    if not (meta.get("job_id") is None or isinstance(meta.get("job_id"), str)):
+        raise torn("has an invalid job_id")
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -503,6 +503,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             problem = f"epoch {epoch} (step {step}), beyond this fit's epochs={epochs}"
         elif span is not None and step > span:
             problem = f"step {step} of epoch {epoch}, beyond this fit's {steps} steps per epoch"
+        elif self._uniform_steps and step > meta["global_step"]:
+            problem = f"step {step} of epoch {epoch}, beyond its global step {meta['global_step']}"
         elif span is not None and step and self._uniform_steps and epoch * span + step != meta["global_step"]:
             # Mid-epoch, the position must be where this data puts it (epoch-end backups
             # may resume on other data).

@@ -25,7 +25,34 @@ WIDE_TIER = os.environ.get("TFSCALE_EQUIVALENCE")  # "ci" or "full": on demand
 # Open differences, each a strict xfail with its reason: listed, never hidden, and a case
 # that starts to pass fails the run until it is taken off this list.
 _MIRRORED = "mirrored is TensorFlow's own MirroredStrategy (the reference mode, not a tfscale split): "
-KNOWN = {}
+_BN = _MIRRORED + "each replica normalises its half of the batch by that half's statistics"
+_DROPOUT = _MIRRORED + "each replica draws its own Dropout mask"
+_UNEVEN = _MIRRORED + "Keras weighs each replica's mean loss equally on an uneven last batch (README)"
+_MASKED = _MIRRORED + "Keras averages a masked per-timestep loss per replica, not over the batch"
+_SPE = _MIRRORED + "open, not investigated: fit with steps_per_execution fails in multi_step_on_iterator"
+_NAN = _MIRRORED + "open, not investigated: the loss is NaN"
+_OPEN = _MIRRORED + "open, not investigated"
+KNOWN = {
+    "mirrored-1-2-muon-clipnorm-batchnorm-metrics_masked": _BN,
+    "mirrored-1-2-rmsprop-accumulation-attention-steps_per_execution": _SPE,
+    "mirrored-1-2-adagrad-weight_decay-gru_timestep_masked-fit": _MASKED,
+    "mirrored-1-2-adamw-clipnorm-embedding_repeated-uneven_numpy": _UNEVEN,
+    "mirrored-1-2-lamb-ema-conv-uneven_tf_data": _UNEVEN,
+    "mirrored-1-2-sgd_momentum-none-batchnorm_inference-class_weight": _BN,
+    "mirrored-1-2-lion-clipvalue-gru_timestep_masked-lr_callback": _MASKED,
+    "mirrored-1-2-loss_scale-clipnorm-regularizers-uneven_tf_data": _UNEVEN,
+    "mirrored-1-2-sgd_nesterov-lr_schedule-batchnorm-steps_per_execution": _SPE,
+    "mirrored-1-2-muon-accumulation-dropout-predict": _DROPOUT,
+    "mirrored-1-2-nadam-lr_schedule-regularizers-sample_weight": _NAN,
+    "mirrored-1-2-sgd-clipvalue-batchnorm-save_load_weights": _BN,
+    "mirrored-1-2-nadam-ema-embedding_mask_zero-evaluate": _OPEN,
+    "mirrored-1-2-adadelta-lr_schedule-batchnorm-sample_weight": _BN,
+    "mirrored-1-2-muon-accumulation-attention-uneven_numpy": _UNEVEN,
+    "mirrored-1-2-sgd-accumulation-bidirectional_masked-steps_per_execution": _SPE,
+    "mirrored-1-2-adagrad-ema-custom-uneven_numpy": _UNEVEN,
+    "mirrored-1-2-sgd-global_clipnorm-dropout-save_load_weights": _DROPOUT,
+    "mirrored-1-2-sgd_momentum-global_clipnorm-batchnorm_inference-metrics_masked": _BN,
+}
 
 
 def _param(case):
@@ -62,6 +89,7 @@ if WIDE_TIER:
 REGRESSIONS = [
     eq.Case("tensor", 1, 1, "adam", "none", "lstm_masked", "fit"),  # split Dense dropped the mask
     eq.Case("tensor", 1, 1, "adadelta", "weight_decay", "conv", "save_load_weights"),  # shard file
+    eq.Case("tensor", 1, 2, "rmsprop", "lr_schedule", "add_loss", "uneven_tf_data"),  # penalty share
     eq.Case("layer", 1, 2, "ftrl", "global_clipnorm", "gru_timestep_masked", "uneven_numpy"),  # tf.split
     eq.Case("tensor", 1, 2, "adagrad", "clipvalue", "bidirectional_masked", "uneven_tf_data"),
     eq.Case("1f1b", 2, 1, "adam", "none", "batchnorm", "evaluate"),  # per-micro-batch statistics: refused

@@ -383,8 +383,17 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
                     * weights[r]
                 )
                 # The weight penalty: 1/D from each replica adds up to one penalty.
+                # The penalties: each copy's share is its slice's share of the batch (a weight
+                # penalty is the same in every copy, an activity penalty a per-sample mean), and
+                # an empty slice's (a mean over no sample) adds nothing.
                 penalty = tf.add_n(model.losses) if model.losses else None
-                total = value if penalty is None else value + penalty / d
+                if penalty is not None:
+                    dtype = penalty.dtype
+                    share = tf.cast(rows[r], dtype) / tf.cast(batch, dtype)
+                    penalty = tf.cond(
+                        rows[r] > 0, lambda p=penalty, s=share: p * s, lambda t=dtype: tf.zeros((), t)
+                    )
+                total = value if penalty is None else value + penalty
                 scaled = self.optimizer.scale_loss(total)
             grads = tape.gradient(scaled, model.trainable_variables)
             gradients.append(

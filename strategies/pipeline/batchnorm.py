@@ -13,32 +13,14 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfscale.strategies._replicas import layer_tree
+
 __all__ = ["DeferredBatchNorm", "EmptyMicrobatchGuard", "batch_norm_layers"]
 
 
 def batch_norm_layers(layers):
     """Every `BatchNormalization` in `layers`, those nested in custom layers included."""
-    found, seen = [], set()
-
-    def walk(value):
-        if id(value) in seen:
-            return
-        seen.add(id(value))
-        if isinstance(value, keras.layers.BatchNormalization):
-            found.append(value)
-        elif isinstance(value, keras.layers.Layer):
-            for attribute in vars(value).values():
-                walk(attribute)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                walk(item)
-
-    for layer in layers:
-        walk(layer)
-    return found
+    return [layer for layer in layer_tree(layers) if isinstance(layer, keras.layers.BatchNormalization)]
 
 
 class DeferredBatchNorm:

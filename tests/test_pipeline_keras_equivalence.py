@@ -209,34 +209,16 @@ def _dense_data(samples=16, features=6):
     )
 
 
-def test_recompute_with_dropout_and_batch_norm_matches_keras_at_one_microbatch():
-    x, y = _dense_data()
-    reference = _dropout_model(batch_norm=True)
-    history_ref = _fit(reference, x, y, keras.optimizers.SGD(0.1))
-    pipelined = tfscale.strategies.get(
-        "pipeline", num_stages=2, num_microbatches=1, recompute=True, balance=[2, 2]
-    ).split(_dropout_model(batch_norm=True))
-    history = _fit(pipelined, x, y, keras.optimizers.SGD(0.1))
-    _assert_same(reference, pipelined, history_ref, history, x)
-    _assert_same_weights(reference, pipelined)  # moving mean and variance included
-
-
-def test_recompute_draws_the_forwards_dropout_masks():
-    x, y = _dense_data()
-    runs = []
-    for recompute in (False, True):
-        pipelined = tfscale.strategies.get(
-            "pipeline",
-            num_stages=2,
-            num_microbatches=2,
-            recompute=recompute,
-            balance=[1, 2],
-            microbatch_statistics=True,  # two micro-batches draw two masks: both runs alike
-        ).split(_dropout_model())
-        runs.append((pipelined, _fit(pipelined, x, y, keras.optimizers.SGD(0.1))))
-    (plain, history_plain), (recomputed, history) = runs
-    _assert_same(plain, recomputed, history_plain, history, x)
-    _assert_same_weights(plain, recomputed)
+@pytest.mark.parametrize("layer", ["Dropout", "BatchNormalization"])
+def test_recompute_with_dropout_or_batch_norm_is_refused_in_one_line(layer):
+    # The recomputed forward did not always see the first forward's seed and statistics
+    # (1 run in 3 off by up to 0.01): refused before anything runs.
+    keras.utils.set_random_seed(0)
+    stateful = keras.layers.Dropout(0.5) if layer == "Dropout" else keras.layers.BatchNormalization()
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), stateful, keras.layers.Dense(3)])
+    strategy = tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=1, recompute=True)
+    with pytest.raises(StrategyError, match=rf"^Layer '.*' \({layer}\) changes state.*recompute=True"):
+        strategy.split(model)
 
 
 # -- 9. add_loss in call(): refused before the first step --------------------------------------
@@ -350,7 +332,7 @@ def test_partial_final_batch_trains_as_in_keras(options, dataset):
     _assert_same_weights(reference, pipelined)
 
 
-@pytest.mark.parametrize("options", [{"num_microbatches": 4}, {"num_microbatches": 4, "recompute": True}])
+@pytest.mark.parametrize("options", [{"num_microbatches": 4}])
 def test_batch_smaller_than_the_microbatches_leaves_batch_norm_finite(options):
     """A final batch of 2 for D x M = 4 micro-batches: the empty ones add no gradient (a
     BatchNormalization gives them NaN) and move no average (deferred or Keras's own)."""

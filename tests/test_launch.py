@@ -55,12 +55,13 @@ def test_each_task_gets_its_tf_config_and_nothing_else_changes(marker, tmp_path)
     launcher_env = dict(
         os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TFSCALE_LAUNCH_TEST_MARKER=marker
     )
-    clusters = set()
+    clusters, job_ids = set(), set()
     for name in ["chief:0", "worker:0", "worker:1", "evaluator:0"]:
         (line,) = _lines(run.stdout, name)
         env = json.loads(line)
         tf_config = env.pop("TF_CONFIG")
         assert env.pop("TFSCALE_RESTART_COUNT") == "0"
+        job_ids.add(env.pop("TFSCALE_JOB_ID"))  # the job's identity for its backups: one per job
         assert env == launcher_env
         # TensorFlow's own resolver reads the task and cluster we meant.
         with mock.patch.dict(os.environ, {"TF_CONFIG": tf_config}):
@@ -69,6 +70,8 @@ def test_each_task_gets_its_tf_config_and_nothing_else_changes(marker, tmp_path)
             cluster = resolver.cluster_spec().as_dict()
         clusters.add(json.dumps(cluster, sort_keys=True))
     (cluster,) = [json.loads(c) for c in clusters]
+    (job_id,) = job_ids
+    assert job_id.startswith("launch-")
     addresses = [a for kind in ("chief", "worker", "evaluator") for a in cluster[kind]]
     assert len(addresses) == 4 and len(set(addresses)) == 4
     assert all(a.startswith("127.0.0.1:") for a in addresses)

@@ -24,6 +24,7 @@ import threading
 import time
 
 from tfscale.callbacks._backup_store import LOCK_NAME, UnusableBackupError, read_bounded
+from tfscale.errors import Error
 
 __all__ = ["LOCK_NAME", "DirectoryLock", "LockHeldError"]
 
@@ -33,8 +34,11 @@ _held = {}  # realpath of backup_dir -> (fd, holder) held by this process
 _guard = threading.Lock()
 
 
-class LockHeldError(OSError):
-    """Another live process holds the lock; `holder` says who (from the lock file)."""
+class LockHeldError(Error):
+    """Another live process holds the lock; `holder` says who (from the lock file).
+
+    Internal: `BackupAndRestore` turns it into `BackupInUseError` naming the holder.
+    """
 
     def __init__(self, holder):
         super().__init__(holder)

@@ -16,6 +16,13 @@ Tiers (the `slow` marker, pyproject.toml):
   subprocesses or takes more than a few seconds, and keep a quick representative of it
   in the fast tier.
 
+Two workers (pytest-xdist, README's command `pytest -n 2`): the tests are single-threaded
+enough that a 2-core machine runs two at once. A module's tests stay in one worker
+(`xdist_group`, below), so its module-scoped clusters and reference runs are built once; a
+module whose tests share nothing expensive sets `SPREAD_OVER_WORKERS = True` and its tests
+are dealt out one by one, to fill the tail of the run (the equivalence cases). Every test
+must hold on either worker: free ports picked at run time, files under its own tmp_path.
+
 No garbage-collection settings and no early exit: an interrupted `fit`'s input (a tf.data
 iterator, whose destructor can block up to a minute in TF 2.21) is freed by reference
 counting, with tfscale's callbacks too (tfscale/compat/keras_fit_position.py breaks
@@ -46,3 +53,11 @@ def data_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tfds"))
     digits.prepare(path)
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keeps each module's tests on one xdist worker unless the module spreads them."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and not getattr(module, "SPREAD_OVER_WORKERS", False):
+            item.add_marker(pytest.mark.xdist_group(module.__name__))

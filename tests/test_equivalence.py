@@ -17,6 +17,8 @@ import pytest
 
 from tfscale import errors
 
+# The cases share nothing but a cache of reference runs: xdist deals them out one by one.
+SPREAD_OVER_WORKERS = True
 PASS = ("EQUAL", "REFUSED", "N/A")
 SMOKE = eq.tier_cases("smoke")
 PAIRWISE = eq.tier_cases("fast")

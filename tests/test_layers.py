@@ -37,8 +37,6 @@ KNOWN = frozenset(
     [
         "cycle: tfscale.compat -> tfscale.compat.keras_optimizer"
         " -> tfscale.strategies -> tfscale.strategies._builtin -> tfscale.compat",
-        "cycle: tfscale.launch._elastic_batch -> tfscale.train"
-        " -> tfscale.launch.elastic -> tfscale.launch._elastic_batch",
         "tfscale.callbacks.communication_profiler -> tfscale.strategies (up: core imports capabilities)",
         "tfscale.callbacks.communication_profiler"
         " -> tfscale.strategies._communication (private to tfscale.strategies)",
@@ -52,7 +50,6 @@ KNOWN = frozenset(
         "tfscale.compat.keras_optimizer -> tfscale.strategies._communication (private to tfscale.strategies)",
         "tfscale.compat.keras_optimizer -> tfscale.strategies._communication (up: core imports capabilities)",
         "tfscale.horovod._basics -> tfscale.strategies._peers (private to tfscale.strategies)",
-        "tfscale.launch._elastic_batch -> tfscale.train (up: capabilities imports binaries)",
         "tfscale.train -> tfscale.callbacks._elastic_backup (private to tfscale.callbacks)",
     ]
 )

@@ -11,6 +11,7 @@ import math
 import os
 import re
 
+from tfscale import _task_protocol
 from tfscale.launch.supervisor import LaunchError
 
 __all__ = [
@@ -84,9 +85,7 @@ def check_global_batch(command, worker_range, mode):
         )
     text = _flag_value(command, "global_batch_size")
     if text is None and per_replica_flag is None and _runs_tfscale_train(command):
-        from tfscale.train import DEFAULT_GLOBAL_BATCH_SIZE
-
-        text = str(DEFAULT_GLOBAL_BATCH_SIZE)
+        text = str(_task_protocol.DEFAULT_GLOBAL_BATCH_SIZE)
     per_worker = _flag_value(command, "cpu_replicas") or _flag_value(command, "num_gpus") or "1"
     if text is None or not text.isdigit() or not per_worker.isdigit():
         return

@@ -15,7 +15,7 @@ import os
 
 from absl import flags
 
-from tfscale import _auto
+from tfscale import _auto, _task_protocol
 from tfscale import models as _models
 
 __all__ = [
@@ -58,7 +58,7 @@ _MODEL_PARALLEL_FLAGS = {
     "tensor_parallel": ("model_split",),
     "data_parallel": MODEL_PARALLEL,
 }
-DEFAULT_GLOBAL_BATCH_SIZE = 64  # what `--global_batch_size` means when neither batch flag is given
+DEFAULT_GLOBAL_BATCH_SIZE = _task_protocol.DEFAULT_GLOBAL_BATCH_SIZE
 # The optimizer registry: `--optimizer` name -> class in `keras.optimizers` (train.py builds it).
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop"}
 DATASET_PREFIXES = ("digits", "tfds:", "synthetic:")

@@ -13,6 +13,7 @@ from tfscale.strategies._communication import Communication
 from tfscale.strategies._communication import configure as configure_communication
 from tfscale.strategies._devices import split_cpu
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._memory import memory_report
 from tfscale.strategies._partition import BalanceError
 from tfscale.strategies._remote import connect_cluster
 from tfscale.strategies.model_split import (
@@ -40,5 +41,6 @@ __all__ = [
     "configure_communication",
     "connect_cluster",
     "get",
+    "memory_report",
     "split_cpu",
 ]

@@ -13,7 +13,7 @@ from tfscale._auto import choose as _choose_auto
 from tfscale._auto import tpu_named as _tpu_named
 from tfscale.cluster import ClusterSpec
 from tfscale.compat import collective_keys, keras_multi_worker, keras_optimizer
-from tfscale.strategies import _communication
+from tfscale.strategies import _communication, _zero
 from tfscale.strategies._devices import (
     cpu_device_names,
     device_type,
@@ -94,7 +94,9 @@ def _mirrored(
     gradient_compression=None,
     bytes_per_pack=0,
     timeout_seconds=None,
+    zero_stage=0,
 ):
+    zero_stage = _zero.check_stage(zero_stage)
     communication = _communication.Communication(
         gradient_compression=gradient_compression,
         bytes_per_pack=bytes_per_pack,
@@ -140,6 +142,7 @@ def _mirrored(
     collective_keys.reserve_key_range()
     keras_optimizer.apply()  # Clip after the all-reduce; accumulation; options reach it.
     _communication.configure(strategy, **dataclasses.asdict(communication))
+    _zero.configure(strategy, zero_stage)
     return strategy
 
 
@@ -368,6 +371,8 @@ def get(name="auto", *, cluster=None, **options):
     if not isinstance(name, str) or name not in _BUILDERS:
         raise StrategyError(f"Unknown strategy name. Received: name={name!r}. Expected one of {list(NAMES)}.")
     builder = _BUILDERS[name]
+    if "zero_stage" in options:
+        _zero.check_strategy(name, options["zero_stage"])
     _check_options(name, _accepted(builder), options)
     if "cluster" in inspect.signature(builder).parameters:
         options["cluster"] = _cluster(cluster)

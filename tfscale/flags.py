@@ -167,6 +167,13 @@ def define_strategy_flags(fv):
         "--bytes_per_pack expects an integer >= 0.",
         flag_values=fv,
     )
+    flags.DEFINE_integer(
+        "zero_stage",
+        None,
+        "ZeRO stage for --strategy=mirrored: 1 shards optimizer slots over the replicas, 2 also "
+        "gradient accumulators (tfscale.strategies.get's zero_stage).",
+        flag_values=fv,
+    )
     for name in ("cpu_replicas", "num_gpus"):
         flags.register_validator(
             name, _positive_or_none, f"--{name} expects a positive integer.", flag_values=fv
@@ -728,6 +735,7 @@ def strategy_args(fv):
         ("tpu", "tpu"),
         ("gradient_compression", "gradient_compression"),
         ("bytes_per_pack", "bytes_per_pack"),
+        ("zero_stage", "zero_stage"),
     ):
         if fv[flag].value is not None:
             options[option] = fv[flag].value

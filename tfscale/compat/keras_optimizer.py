@@ -40,6 +40,7 @@ those strategies by hand call `tfscale.compat.apply_optimizer_fixes()` once.
 import keras
 import tensorflow as tf
 
+from tfscale.compat import keras_optimizer_zero as zero
 from tfscale.compat.keras_multi_worker import _version_tuple
 
 __all__ = ["apply", "is_applied", "needed"]
@@ -97,13 +98,23 @@ def _launch(strategy, values, options):
     return _collective_ops(strategy)._all_reduce(tf.distribute.ReduceOp.SUM, values, replica_id, options)
 
 
-def all_reduce_sum(grads):
-    """SUM-all-reduces `grads` (no None) across replicas with the strategy's options."""
+def _options(strategy):
     from tfscale.strategies import _communication
 
-    strategy = tf.distribute.get_strategy()
     communication = _communication.of(strategy)
-    options = strategy.extended._communication_options.merge(communication.options())
+    return communication, strategy.extended._communication_options.merge(communication.options())
+
+
+def _zero_step(optimizer):
+    strategy = tf.distribute.get_strategy()
+    launcher = _collective_ops(strategy)._launchers[tf.distribute.get_replica_context()._replica_id]
+    return zero.Step(optimizer, launcher, _options(strategy)[1], all_reduce_sum)
+
+
+def all_reduce_sum(grads):
+    """SUM-all-reduces `grads` (no None) across replicas with the strategy's options."""
+    strategy = tf.distribute.get_strategy()
+    communication, options = _options(strategy)
     wire = communication.compression_dtype
     grads = list(grads)
     dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
@@ -136,6 +147,11 @@ def _reduce(optimizer, grads):
 
 def _local_update(optimizer, grads, variables):
     """Clip, weight decay and update_step on this replica's copies (grads already summed)."""
+    if zero.active(optimizer):
+        step = _zero_step(optimizer)
+        step.update(step.clipped_shards(grads, variables), variables)
+        step.gather(variables)
+        return
     _, base_optimizer, _ = _modules()
     grads = optimizer._clip_gradients(grads)
     base_optimizer.BaseOptimizer._apply_weight_decay(optimizer, variables)
@@ -143,7 +159,31 @@ def _local_update(optimizer, grads, variables):
         optimizer.update_step(grad, variable, optimizer.learning_rate)
 
 
+def _apply_accumulating_sharded(optimizer, grads, variables):
+    """Stage 2: each micro-step's summed gradient is sliced at once; the shards accumulate."""
+    steps = optimizer.gradient_accumulation_steps
+    accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
+    step = _zero_step(optimizer)
+    shards = step.shard_gradients(_reduce(optimizer, grads), variables)
+    is_update_step = (optimizer._iterations + 1) % steps == 0
+
+    def update():
+        totals = [g + tf.cast(a.value, g.dtype) for g, a in zip(shards, accumulators)]
+        step.update(step.clip_shards([t / steps for t in totals], variables), variables)
+        step.gather(variables)
+        for a in accumulators:
+            a.assign(tf.zeros(a.shape, a.dtype))
+
+    def accumulate():
+        for g, a in zip(shards, accumulators):
+            a.assign(a.value + tf.cast(g, a.dtype))
+
+    tf.cond(is_update_step, update, accumulate)
+
+
 def _apply_accumulating(optimizer, grads, variables):
+    if zero.active(optimizer) >= 2:
+        return _apply_accumulating_sharded(optimizer, grads, variables)
     steps = optimizer.gradient_accumulation_steps
     accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
     is_update_step = (optimizer._iterations + 1) % steps == 0
@@ -172,11 +212,20 @@ def _make_backend_apply_gradients(original):
     def _backend_apply_gradients(self, grads, trainable_variables):
         if not _active():
             return original(self, grads, trainable_variables)
+        stage = zero.stage_of(tf.distribute.get_strategy())
+        if stage:  # Also an optimizer with no slots: refused if its rule is not verified.
+            zero.check_optimizer(self, stage)
         if self.gradient_accumulation_steps:
             _apply_accumulating(self, list(grads), list(trainable_variables))
         else:
             _local_update(self, _reduce(self, grads), list(trainable_variables))
-        if self.use_ema:
+        if self.use_ema and zero.active(self):
+            step = _zero_step(self)
+            step.ema()
+            if self.ema_overwrite_frequency:
+                overwrite = (self.iterations + 1) % self.ema_overwrite_frequency == 0
+                tf.cond(overwrite, step.overwrite_with_average, lambda: None)
+        elif self.use_ema:
             self._update_model_variables_moving_average(self._trainable_variables)
             if self.ema_overwrite_frequency:
                 overwrite = (self.iterations + 1) % self.ema_overwrite_frequency == 0
@@ -187,6 +236,11 @@ def _make_backend_apply_gradients(original):
 
 def _make_add_variable_from_reference(original):
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        stage = (
+            zero.stage_of(self._distribution_strategy) if _data_parallel(self._distribution_strategy) else 0
+        )
+        if stage and (name != _ACCUMULATOR or stage >= 2):
+            return zero.add_sharded_slot(self, reference_variable, name, initializer, stage)
         if name != _ACCUMULATOR or not _data_parallel(self._distribution_strategy):
             return original(self, reference_variable, name=name, initializer=initializer)
         # ON_READ/SUM: replica-local sums, saved as their cross-replica total.
@@ -208,6 +262,15 @@ def _make_add_variable_from_reference(original):
         return variable
 
     return add_variable_from_reference
+
+
+def _make_overwrite_with_average_value(original):
+    def _overwrite_model_variables_with_average_value(self, trainable_variables):
+        if not zero.active(self):
+            return original(self, trainable_variables)
+        return zero.overwrite_with_average_value(self, trainable_variables)
+
+    return _overwrite_model_variables_with_average_value
 
 
 def _make_loss_scale_tf_apply(original):
@@ -264,10 +327,17 @@ def apply():
         (cls, "_backend_apply_gradients"): cls._backend_apply_gradients,
         (cls, "add_variable_from_reference"): cls.add_variable_from_reference,
         (lso, "_tf_apply"): lso._tf_apply,
+        (
+            cls,
+            "_overwrite_model_variables_with_average_value",
+        ): cls._overwrite_model_variables_with_average_value,
     }
     cls._backend_apply_gradients = _make_backend_apply_gradients(cls._backend_apply_gradients)
     cls.add_variable_from_reference = _make_add_variable_from_reference(cls.add_variable_from_reference)
     lso._tf_apply = _make_loss_scale_tf_apply(lso._tf_apply)
+    cls._overwrite_model_variables_with_average_value = _make_overwrite_with_average_value(
+        cls._overwrite_model_variables_with_average_value
+    )
     _state["originals"] = originals
     _state["applied"] = True
     return True

@@ -1,0 +1,116 @@
+"""ZeRO stages 1-2 (`zero_stage=`) train to plain Keras's weights; slots are 1/N; bad input refused."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+import tfscale.strategies
+from tfscale.compat.keras_optimizer_zero import ZeroError
+from tfscale.strategies import StrategyError
+
+ATOL = 1e-6
+OPTIMIZERS = {
+    "sgd_momentum": lambda **o: keras.optimizers.SGD(0.1, momentum=0.9, **o),
+    "adam": lambda **o: keras.optimizers.Adam(0.05, **o),
+    "adamw": lambda **o: keras.optimizers.AdamW(0.05, **o),
+}
+OPTIONS = {
+    "plain": {},
+    "clipnorm": dict(clipnorm=0.1),
+    "global_clipnorm": dict(global_clipnorm=0.2),
+    "clipvalue": dict(clipvalue=0.05),
+    "weight_decay": dict(weight_decay=0.1),
+    "ema": dict(use_ema=True),
+    "accumulation": dict(gradient_accumulation_steps=2),
+}
+# Each option with one optimizer, rotating (generated, not hand-picked), on 2 or 4 replicas.
+CASES = [
+    (opt, option, replicas, stage)
+    for i, option in enumerate(OPTIONS)
+    for opt in [list(OPTIMIZERS)[i % len(OPTIMIZERS)]]
+    for replicas, stage in [(2, 1), (4, 2)]
+]
+
+
+def _fit(strategy, make_optimizer):
+    keras.utils.set_random_seed(0)
+    x = np.random.RandomState(0).randn(16, 5).astype("float32")
+    y = np.random.RandomState(1).randn(16, 3).astype("float32")
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(3)]
+        )
+        model.compile(make_optimizer(), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize(("opt", "option", "replicas", "stage"), CASES)
+def test_zero_trains_to_one_device_and_stage_0_weights(opt, option, replicas, stage):
+    make = lambda: OPTIMIZERS[opt](**OPTIONS[option])  # noqa: E731
+    one = _fit(tfscale.strategies.get("default"), make).get_weights()
+    stage0 = _fit(tfscale.strategies.get("mirrored", cpu_replicas=replicas), make).get_weights()
+    zero = _fit(
+        tfscale.strategies.get("mirrored", cpu_replicas=replicas, zero_stage=stage), make
+    ).get_weights()
+    for a, b, c in zip(zero, one, stage0):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(a, c, atol=ATOL, rtol=0)
+
+
+def test_optimizer_bytes_per_replica_are_one_nth_plus_padding():
+    def report(stage):
+        strategy = tfscale.strategies.get("mirrored", cpu_replicas=4, zero_stage=stage)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7), keras.layers.Dense(3)])
+            model.compile(keras.optimizers.Adam(gradient_accumulation_steps=2), "mse")
+            model.optimizer.build(model.trainable_variables)
+        return tfscale.strategies.memory_report(model), [
+            v.shape.num_elements() for v in model.trainable_variables
+        ]
+
+    scalars = 8 + 4  # iterations (int64), learning_rate (float32)
+    (r0, sizes), (r1, _), (r2, _) = report(0), report(1), report(2)
+    shards = sum(math.ceil(n / 4) for n in sizes)  # 18 elements for 66 parameters
+    assert len(r1) == 4
+    for device in r0:
+        assert r0[device] == {"parameters": 66 * 4, "optimizer": 2 * 66 * 4 + scalars, "gradients": 66 * 4}
+        # Two slots and the parameter shard the update writes into, each 1/4 (+ padding).
+        assert r1[device] == {
+            "parameters": 66 * 4,
+            "optimizer": 3 * shards * 4 + scalars,
+            "gradients": 66 * 4,
+        }
+        assert r2[device] == {
+            "parameters": 66 * 4,
+            "optimizer": 3 * shards * 4 + scalars,
+            "gradients": shards * 4,
+        }
+
+
+@pytest.mark.parametrize("stage", [True, 1.0, "1", -1, 4])
+def test_bad_zero_stage_is_one_line(stage):
+    with pytest.raises(StrategyError, match=r"zero_stage=") as info:
+        tfscale.strategies.get("mirrored", cpu_replicas=2, zero_stage=stage)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["one_device", "default", "tpu", "pipeline", "model_split", "multi_worker"])
+def test_zero_stage_with_unmirrored_strategy_is_refused(name):
+    with pytest.raises(StrategyError, match=rf"zero_stage=1.*{name}"):
+        tfscale.strategies.get(name, zero_stage=1)
+
+
+@pytest.mark.parametrize("make", [keras.optimizers.Lamb, keras.optimizers.Adafactor, keras.optimizers.Muon])
+def test_unshardable_optimizer_is_refused_before_a_step(make):
+    strategy = tfscale.strategies.get("mirrored", cpu_replicas=2, zero_stage=1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7)])
+        model.compile(make(), "mse")
+    before = model.get_weights()
+    with pytest.raises(ZeroError, match=rf"cannot shard optimizer {make.__name__}"):
+        model.fit(np.ones((4, 5)), np.ones((4, 7)), verbose=0)
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)

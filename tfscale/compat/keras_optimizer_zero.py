@@ -1,0 +1,302 @@
+"""ZeRO stages 1 and 2 for Keras 3 optimizers under `MirroredStrategy`: slots kept as 1/N shards.
+
+Checked on Keras 3.15.1 / TensorFlow 2.21. Keras creates every optimizer slot with
+`add_variable_from_reference` (private to the TF backend's `TFOptimizer`) at the variable's
+full shape, and `MirroredStrategy` keeps one full copy a replica. With a ZeRO stage set on
+the strategy (`set_stage`), `keras_optimizer`'s patched methods call this module instead:
+
+- A slot is created flattened and padded to `shard = ceil(size / N)` elements
+  (`N * shard - size` zeros of padding per variable, all on the last replica's shard), as
+  a mirrored variable whose N components hold DIFFERENT values: replica r keeps elements
+  `[r * shard, (r + 1) * shard)` of the flattened slot, on its own device (aggregation
+  NONE, so TensorFlow updates only the local component in replica context).
+- Beside its slots each variable gets a shard of the parameter (`..._zero_shard`, the
+  "master" shard the update rule writes into: 1/N of the parameter's bytes).
+- A step: gradients are summed over replicas (CPU collectives have no reduce-scatter --
+  `CollectiveReduceScatterV2` has only an NCCL kernel -- so it is the strategy's
+  all-reduce, then this replica's slice is taken: the same bytes on the wire as stage 0);
+  clipping (stage 1: on the summed gradient, as Keras; stage 2: on the shards, each norm
+  a sum of the shards' squares over replicas, one small all-reduce) and weight decay as
+  Keras does them; then the user's optimizer's own `update_step(grad_shard,
+  param_shard, lr)` (its slots are found through `_trainable_variables_indices`, where the
+  shard is registered under its variable's index); then one all-gather of all updated
+  parameter shards writes the full parameters into every replica's copy.
+- Stage 2 also shards `gradient_accumulation_steps`'s accumulators: each micro-step's
+  gradient is summed over replicas and only the shard is kept.
+
+Only elementwise update rules shard exactly; `SHARDABLE` lists the classes checked (the
+exact classes, not subclasses); anything else is refused before the first step.
+Gradients that arrive as `tf.IndexedSlices` (an `Embedding`) are refused too: Keras's
+sparse update rules square the rows before adding repeated ones, which a dense shard
+cannot reproduce.
+"""
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tfscale.errors import Error
+
+__all__ = ["ATTRIBUTE", "SHARDABLE", "ZeroError", "set_stage", "stage_of"]
+
+ATTRIBUTE = "_tfscale_zero_stage"
+SHARDABLE = (
+    "SGD",
+    "Adam",
+    "AdamW",
+    "RMSprop",
+    "Adagrad",
+    "Adadelta",
+    "Adamax",
+    "Nadam",
+    "Lion",
+    "Ftrl",
+)
+_STATE = "_tfscale_zero"
+
+
+class ZeroError(Error):
+    """A ZeRO stage that cannot run this model or optimizer (names it and what to do)."""
+
+
+def stage_of(strategy):
+    """The ZeRO stage set on `strategy` (0 if none)."""
+    return getattr(strategy, ATTRIBUTE, 0)
+
+
+def set_stage(strategy, stage):
+    """Sets the ZeRO stage of `strategy` (read when its optimizers build their slots)."""
+    setattr(strategy, ATTRIBUTE, stage)
+
+
+def active(optimizer):
+    """The ZeRO stage this optimizer's slots were built for (0: not sharded)."""
+    return getattr(optimizer, _STATE, {}).get("stage", 0)
+
+
+def check_optimizer(optimizer, stage):
+    """`ZeroError` unless `optimizer`'s update rule is one this module shards exactly."""
+    name = type(optimizer).__name__
+    if type(optimizer).__module__.startswith("keras.") and name in SHARDABLE:
+        return
+    raise ZeroError(
+        f"zero_stage={stage} cannot shard optimizer {name}: its update is not verified to be "
+        f"elementwise. Expected one of {list(SHARDABLE)} (or a LossScaleOptimizer around one), or "
+        "zero_stage=0."
+    )
+
+
+def _num_replicas(optimizer):
+    return optimizer._distribution_strategy.num_replicas_in_sync
+
+
+def _shard_size(reference, num_replicas):
+    return max(1, math.ceil(reference.shape.num_elements() / num_replicas))
+
+
+def _new_variable(optimizer, reference, name, initializer, shard):
+    colocate = reference.value if isinstance(reference, keras.Variable) else reference
+    with optimizer._distribution_strategy.extended.colocate_vars_with(colocate):
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            variable = keras.Variable(
+                initializer=keras.initializers.get(initializer),
+                shape=(shard,),
+                dtype=reference.dtype,
+                trainable=False,
+                name=f"{reference.path.replace('/', '_')}_{name}",
+            )
+    optimizer._track_variable(variable)
+    return variable
+
+
+def add_sharded_slot(optimizer, reference, name, initializer, stage):
+    """A slot of `reference` kept as 1/N flattened shards, one per replica (see module doc)."""
+    check_optimizer(optimizer, stage)
+    state = optimizer.__dict__.setdefault(_STATE, {"stage": stage, "params": {}, "sharded": set()})
+    shard = _shard_size(reference, _num_replicas(optimizer))
+    key = optimizer._var_key(reference)
+    if key not in state["params"]:
+        param = _new_variable(optimizer, reference, "zero_shard", "zeros", shard)
+        state["params"][key] = param
+        state["sharded"].add(id(param))
+    variable = _new_variable(optimizer, reference, name, initializer, shard)
+    state["sharded"].add(id(variable))
+    return variable
+
+
+def is_sharded(optimizer, variable):
+    """True for a variable this module created as 1/N shards."""
+    return id(variable) in getattr(optimizer, _STATE, {}).get("sharded", ())
+
+
+def _replica():
+    context = tf.distribute.get_replica_context()
+    return context, context.replica_id_in_sync_group, context.num_replicas_in_sync
+
+
+def _slice(tensor, num_replicas, replica_id):
+    flat = tf.reshape(tf.convert_to_tensor(tensor), [-1])
+    shard = max(1, math.ceil(flat.shape.num_elements() / num_replicas))
+    padded = tf.pad(flat, [[0, shard * num_replicas - flat.shape.num_elements()]])
+    return tf.reshape(padded, [num_replicas, shard])[replica_id]
+
+
+def _gather(launcher, options, shards, references, *, replica_id, num_replicas):
+    """Every replica's `shards`, concatenated in replica order: the full values, reshaped."""
+    if not shards:
+        return []
+    # Collective ranks follow device names, not replica ids ("CPU:10" < "CPU:2"): the ids
+    # travel too (4 bytes a replica) and put the rows back in replica order.
+    ids = launcher._all_gather(tf.reshape(tf.cast(replica_id, tf.int32), [1]), options)
+    order = tf.argsort(ids)
+    out = {}
+    for dtype in {s.dtype for s in shards}:
+        members = [i for i, s in enumerate(shards) if s.dtype == dtype]
+        packed = tf.concat([shards[i] for i in members], axis=0)
+        rows = tf.gather(tf.reshape(launcher._all_gather(packed, options), [num_replicas, -1]), order)
+        sizes = [shards[i].shape.num_elements() for i in members]
+        for i, columns in zip(members, tf.split(rows, sizes, axis=1)):
+            ref = references[i]
+            full = tf.reshape(columns, [-1])[: ref.shape.num_elements()]
+            out[i] = tf.reshape(full, ref.shape)
+    return [out[i] for i in range(len(shards))]
+
+
+def _squares(shards, sharded, reduce_sum):
+    """Each gradient's sum of squares: shards' summed over replicas, whole ones local."""
+    local = [tf.reduce_sum(tf.square(s)) for s in shards]
+    if any(sharded):
+        total = reduce_sum([tf.stack([q if m else tf.zeros_like(q) for q, m in zip(local, sharded)])])[0]
+        return [total[i] if m else q for i, (q, m) in enumerate(zip(local, sharded))]
+    return local
+
+
+def _clip_shards(optimizer, shards, sharded, reduce_sum):
+    """Keras's `_clip_gradients` on shards: every norm over the whole gradient."""
+    if optimizer.clipnorm and optimizer.clipnorm > 0:
+        clipped = []
+        for s, l2sum in zip(shards, _squares(shards, sharded, reduce_sum)):
+            positive = l2sum > 0  # tf.clip_by_norm's formula (Keras's _clip_by_norm)
+            norm = tf.where(positive, tf.sqrt(tf.where(positive, l2sum, tf.ones_like(l2sum))), l2sum)
+            clipped.append(s * optimizer.clipnorm / tf.maximum(norm, optimizer.clipnorm))
+        return clipped
+    if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
+        norm = tf.sqrt(tf.add_n(_squares(shards, sharded, reduce_sum)))
+        clip = optimizer.global_clipnorm
+        scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+        return [s * scale for s in shards]
+    if optimizer.clipvalue and optimizer.clipvalue > 0:
+        return [tf.clip_by_value(s, -optimizer.clipvalue, optimizer.clipvalue) for s in shards]
+    return shards
+
+
+def _refuse_sparse(grads, variables):
+    for g, v in zip(grads, variables):
+        if isinstance(g, tf.IndexedSlices):
+            raise ZeroError(
+                f"zero_stage>0 cannot shard the sparse (IndexedSlices) gradient of `{v.path}` (an "
+                "Embedding): Keras's update of repeated rows is not elementwise. Expected zero_stage=0."
+            )
+
+
+class Step:
+    """One replica's ZeRO update inside a traced step (see the module doc)."""
+
+    def __init__(self, optimizer, launcher, options, reduce_sum):
+        self.optimizer = optimizer
+        self.launcher = launcher
+        self.options = options
+        self.reduce_sum = reduce_sum
+        self.params = getattr(optimizer, _STATE)["params"]
+        _, self.replica_id, self.num_replicas = _replica()
+        # The update rule finds its slots by the variable's index: each shard gets its
+        # variable's (EMA averages are built before the indices exist, hence here).
+        indices = optimizer._trainable_variables_indices
+        for key, param in self.params.items():
+            indices[optimizer._var_key(param)] = indices[key]
+
+    def param_shard(self, variable):
+        return self.params.get(self.optimizer._var_key(variable))
+
+    def slice(self, tensor):
+        return _slice(tensor, self.num_replicas, self.replica_id)
+
+    def shard_gradients(self, reduced, variables):
+        """This replica's slices of summed gradients (dense; None stays None)."""
+        _refuse_sparse(reduced, variables)
+        return [self.slice(g) if self.param_shard(v) is not None else g for g, v in zip(reduced, variables)]
+
+    def clipped_shards(self, reduced, variables):
+        """Clipped shards of summed gradients: stage 1 clips before slicing (Keras's own
+        `_clip_gradients`), stage 2 after (norms summed over the replicas' shards)."""
+        if active(self.optimizer) >= 2:
+            return self.clip_shards(self.shard_gradients(reduced, variables), variables)
+        return self.shard_gradients(self.optimizer._clip_gradients(reduced), variables)
+
+    def clip_shards(self, shards, variables):
+        sharded = [self.param_shard(v) is not None for v in variables]
+        return _clip_shards(self.optimizer, shards, sharded, self.reduce_sum)
+
+    def update(self, grads, variables):
+        """`update_step` on the shards (weight decay first, on the full local copies)."""
+        from keras.src.optimizers import base_optimizer
+
+        optimizer = self.optimizer
+        base_optimizer.BaseOptimizer._apply_weight_decay(optimizer, variables)
+        for grad, variable in zip(grads, variables):
+            shard = self.param_shard(variable)
+            if shard is None:  # No slots (SGD without momentum): nothing to shard.
+                optimizer.update_step(grad, variable, optimizer.learning_rate)
+                continue
+            shard.assign(self.slice(variable))
+            optimizer.update_step(grad, shard, optimizer.learning_rate)
+
+    def ema(self):
+        optimizer = self.optimizer
+        shards = [self.param_shard(v) for v in optimizer._trainable_variables]
+        targets = [v if s is None else s for v, s in zip(optimizer._trainable_variables, shards)]
+        optimizer._update_model_variables_moving_average(targets)
+
+    def gather(self, variables):
+        """Writes every replica's updated shards into the full parameters of this replica."""
+        pairs = [(v, self.param_shard(v)) for v in variables if self.param_shard(v) is not None]
+        self._write([v for v, _ in pairs], [s.value for _, s in pairs])
+
+    def overwrite_with_average(self):
+        optimizer = self.optimizer
+        pairs = [
+            (v, a)
+            for v, a in zip(optimizer._trainable_variables, optimizer._model_variables_moving_average)
+            if a is not None
+        ]
+        sharded = [(v, a) for v, a in pairs if is_sharded(optimizer, a)]
+        for v, a in pairs:
+            if not is_sharded(optimizer, a):
+                v.assign(a)
+        self._write([v for v, _ in sharded], [a.value for _, a in sharded])
+
+    def _write(self, variables, shards):
+        full = _gather(
+            self.launcher,
+            self.options,
+            shards,
+            variables,
+            replica_id=self.replica_id,
+            num_replicas=self.num_replicas,
+        )
+        for variable, value in zip(variables, full):
+            variable.assign(value)
+
+
+def full_value(variable, reference):
+    """A sharded variable's full value, read in cross-replica context from its components."""
+    components = [tf.reshape(c, [-1]) for c in variable.value.values]
+    return tf.reshape(tf.concat(components, axis=0)[: reference.shape.num_elements()], reference.shape)
+
+
+def overwrite_with_average_value(optimizer, trainable_variables):
+    """`finalize_variable_values` under EMA: each sharded average put back together."""
+    for var, average in zip(trainable_variables, optimizer._model_variables_moving_average):
+        if average is not None:
+            var.assign(full_value(average, var) if is_sharded(optimizer, average) else average)

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 
+import tfscale.callbacks
 import tfscale.strategies
 from tfscale.compat.keras_optimizer_zero import ZeroError
 from tfscale.strategies import StrategyError
@@ -114,3 +115,18 @@ def test_unshardable_optimizer_is_refused_before_a_step(make):
         model.fit(np.ones((4, 5)), np.ones((4, 7)), verbose=0)
     for a, b in zip(model.get_weights(), before):
         np.testing.assert_array_equal(a, b)
+
+
+def test_backup_of_a_zero_job_is_refused_before_a_step(tmp_path):
+    # Each replica holds its own optimizer shard; a backup would keep one and restore it onto all.
+    strategy = tfscale.strategies.get("mirrored", cpu_replicas=2, zero_stage=1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7)])
+        model.compile(keras.optimizers.Adam(), "mse")
+    before = model.get_weights()
+    backup = tfscale.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(ZeroError, match=r"^BackupAndRestore cannot back up a zero_stage=1 job yet: [^\n]*$"):
+        model.fit(np.ones((4, 5)), np.ones((4, 7)), callbacks=[backup], verbose=0)
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    assert not (tmp_path / "backup").exists() or not any((tmp_path / "backup").iterdir())

@@ -16,7 +16,7 @@ from tfscale.callbacks._backup_lock import DirectoryLock, LockHeldError
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
 from tfscale.callbacks._backup_store import BackupStore, NpzShard, UnusableBackupError
 from tfscale.callbacks._backup_writer import BackgroundWriter, wait_for_directory
-from tfscale.compat import keras_fit_position, tf_function_tracing
+from tfscale.compat import keras_fit_position, keras_optimizer_zero, tf_function_tracing
 from tfscale.errors import Error
 
 __all__ = [
@@ -611,6 +611,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
 
     def on_train_begin(self, logs=None):
+        _refuse_zero_sharded(self.model.distribute_strategy)
         if getattr(self, "_preemption", None) is not None:
             self._preemption.close()  # left by a `fit` that raised (no `on_train_end`)
             self._preemption = None
@@ -753,3 +754,15 @@ class BackupAndRestore(keras.callbacks.Callback):
                 os.rmdir(self.backup_dir)  # only if that left it empty
             except OSError:
                 pass
+
+
+def _refuse_zero_sharded(strategy):
+    """A ZeRO job's replicas each hold a different shard of the optimizer state: a backup
+    written the usual way keeps one replica's shard and restores it onto all (not exact)."""
+    stage = keras_optimizer_zero.stage_of(strategy)
+    if stage:
+        raise keras_optimizer_zero.ZeroError(
+            f"BackupAndRestore cannot back up a zero_stage={stage} job yet: each replica holds its own "
+            "shard of the optimizer state and the backup would keep only one. Expected zero_stage=0 "
+            "with BackupAndRestore."
+        )

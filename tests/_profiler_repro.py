@@ -3,7 +3,7 @@
 Runs N two-worker `tfscale-train --strategy=multi_worker --profile_steps=4:6` jobs (the
 QUICK flags of tests/test_train.py's `multi_worker` fixture) one after another and counts
 the runs in which a task did not exit 0, printing each failing task's exit and log tail
-(the known crash: worker 1, SIGABRT, `free(): invalid pointer` at
+(the known crash: worker 1, abort (signal 6), `free(): invalid pointer` at
 `tf.profiler.experimental.stop()`).
 
     nice -n 5 .venv/bin/python tests/_profiler_repro.py --runs 40

@@ -174,6 +174,12 @@ def define_strategy_flags(fv):
         "gradient accumulators (tfscale.strategies.get's zero_stage).",
         flag_values=fv,
     )
+    flags.register_validator(
+        "zero_stage",
+        lambda v: v is None or 0 <= v <= 3,
+        "--zero_stage expects 0, 1, 2 or 3.",
+        flag_values=fv,
+    )
     for name in ("cpu_replicas", "num_gpus"):
         flags.register_validator(
             name, _positive_or_none, f"--{name} expects a positive integer.", flag_values=fv

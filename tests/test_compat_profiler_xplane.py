@@ -108,6 +108,9 @@ def test_input_compute_and_allreduce_add_up_to_the_measured_step_time(tmp_path):
     assert len(report["steps"]) == 8
     for step in report["steps"]:
         assert step["input_s"] > 0 and step["allreduce_s"] > 0 and step["compute_s"] > step["host_s"] >= 0
-    # step_s is the wall clock around the profiled steps, measured apart from the trace.
+    # step_s is the wall clock around the profiled steps, measured apart from the trace: it
+    # also holds Keras's loop between steps, which grows when another process shares the
+    # cores (under `pytest -n 2` it reached 12% of a step: 0.00907 s traced, 0.01036 s wall).
+    # The traced parts fit inside it and cover at least 3/4 of it.
     parts = sum(report[f"{kind}_s_per_step"] for kind in ("input", "compute", "allreduce"))
-    assert parts == pytest.approx(report["step_s"], rel=0.1)
+    assert 0.75 * report["step_s"] <= parts <= 1.02 * report["step_s"]

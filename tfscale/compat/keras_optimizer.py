@@ -159,39 +159,15 @@ def _local_update(optimizer, grads, variables):
         optimizer.update_step(grad, variable, optimizer.learning_rate)
 
 
-def _apply_accumulating_sharded(optimizer, grads, variables):
-    """Stage 2: each micro-step's summed gradient is sliced at once; the shards accumulate."""
-    steps = optimizer.gradient_accumulation_steps
-    accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
-    step = _zero_step(optimizer)
-    shards = step.shard_gradients(_reduce(optimizer, grads), variables)
-    is_update_step = (optimizer._iterations + 1) % steps == 0
-
-    def update():
-        totals = [g + tf.cast(a.value, g.dtype) for g, a in zip(shards, accumulators)]
-        step.update(step.clip_shards([t / steps for t in totals], variables), variables)
-        step.gather(variables)
-        for a in accumulators:
-            a.assign(tf.zeros(a.shape, a.dtype))
-
-    def accumulate():
-        for g, a in zip(shards, accumulators):
-            a.assign(a.value + tf.cast(g, a.dtype))
-
-    tf.cond(is_update_step, update, accumulate)
-
-
-def _apply_accumulating(optimizer, grads, variables):
-    if zero.active(optimizer) >= 2:
-        return _apply_accumulating_sharded(optimizer, grads, variables)
+def _accumulate(optimizer, grads, variables, apply):
+    """Adds `grads` into the accumulators; on every k-th micro-step `apply(totals, k)` first
+    and the accumulators start again from zero."""
     steps = optimizer.gradient_accumulation_steps
     accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
     is_update_step = (optimizer._iterations + 1) % steps == 0
 
     def update():
-        # The only communication of the k micro-steps: the local sums, all-reduced once.
-        totals = _reduce(optimizer, [g + tf.cast(a.value, g.dtype) for g, a in zip(grads, accumulators)])
-        _local_update(optimizer, [t / steps for t in totals], variables)
+        apply([g + tf.cast(a.value, g.dtype) for g, a in zip(grads, accumulators)], steps)
         for a in accumulators:
             a.assign(tf.zeros(a.shape, a.dtype))
 
@@ -200,6 +176,28 @@ def _apply_accumulating(optimizer, grads, variables):
             a.assign(a.value + tf.cast(g, a.dtype))
 
     tf.cond(is_update_step, update, accumulate)
+
+
+def _apply_accumulating_sharded(optimizer, grads, variables):
+    """Stage 2: each micro-step's summed gradient is sliced at once; the shards accumulate."""
+    step = _zero_step(optimizer)
+
+    def apply(totals, steps):
+        step.update(step.clip_shards([t / steps for t in totals], variables), variables)
+        step.gather(variables)
+
+    _accumulate(optimizer, step.shard_gradients(_reduce(optimizer, grads), variables), variables, apply)
+
+
+def _apply_accumulating(optimizer, grads, variables):
+    if zero.active(optimizer) >= 2:
+        return _apply_accumulating_sharded(optimizer, grads, variables)
+
+    def apply(totals, steps):
+        # The only communication of the k micro-steps: the local sums, all-reduced once.
+        _local_update(optimizer, [t / steps for t in _reduce(optimizer, totals)], variables)
+
+    _accumulate(optimizer, grads, variables, apply)
 
 
 def _overwrite_with_average(optimizer):

@@ -360,9 +360,11 @@ def test_per_replica_batch_scales_the_global_batch_and_learning_rate_with_the_wo
     for attempt, old, new in ((second, 48, 32), (third, 32, 48)):
         epoch, step, global_step = _restored(attempt)
         done = next(x for x in attempt.splitlines() if "[worker:0] tfscale: elastic resume" in x)
-        examples = int(re.search(r"example (\d+) of epoch", done).group(1))
-        assert f"of epoch {epoch} (" in done and f"steps of {old}) is step {step} of {new} here" in done
-        assert step == examples // new
+        examples, of_epoch = map(int, re.search(r"example (\d+) of epoch (\d+)", done).groups())
+        assert f"steps of {old}) is step {examples // new} of {new} here" in done
+        # The same place in the data: a backup at the last step of an epoch resumes as the next
+        # epoch's step 0 (the kill's timing decides which one a run gets).
+        assert of_epoch * 1536 + (examples // new) * new == epoch * 1536 + step * new
         before, after = 0.003 * old / 48, 0.003 * new / 48  # the rate of each size, by the rule
         assert (
             f"elastic resume: learning rate {before:g} -> {after:g} (x {new}/{old}, global batch)" in attempt

@@ -142,3 +142,40 @@ def test_the_profiler_barrier_is_available_and_a_single_process_only_syncs():
     assert tf_barrier.available()
     # One process: pending ops only (no coordination service to ask).
     assert tf_barrier.quiesce("tfscale-test", multi_worker=False, timeout_s=5) is True
+
+
+_CLUSTERS = {
+    "workers": {"worker": ["localhost:1", "localhost:2", "localhost:3"]},
+    "chief and workers": {"chief": ["localhost:1"], "worker": ["localhost:2", "localhost:3"]},
+}
+
+
+@pytest.mark.parametrize("cluster", sorted(_CLUSTERS))
+def test_under_multi_worker_only_tensorflows_collective_leader_may_run_the_profiler(cluster):
+    from tensorflow.python.distribute import multi_worker_util
+
+    from tfscale.cluster import ClusterSpec
+    from tfscale.compat import tf_traceme_split
+
+    leader = multi_worker_util.collective_leader(_CLUSTERS[cluster], "worker", 0)
+    tasks = [(t, i) for t in _CLUSTERS[cluster] for i in range(len(_CLUSTERS[cluster][t]))]
+    allowed = []
+    for task_type, index in tasks:
+        spec = ClusterSpec.from_tf_config(
+            {"cluster": _CLUSTERS[cluster], "task": {"type": task_type, "index": index}}
+        )
+        if tf_traceme_split.may_trace(multi_worker=spec.is_multi_worker, collective_leader=spec.is_chief):
+            allowed.append(f"/job:{task_type}/replica:0/task:{index}")
+    # The leader resolves collective params on the launching thread (no split TraceMe events).
+    assert allowed == [leader]
+    assert tf_traceme_split.may_trace(multi_worker=False, collective_leader=False)
+
+
+def test_the_traceme_split_gate_is_closed_on_the_checked_tensorflow():
+    from tfscale.compat import tf_traceme_split
+
+    assert tf_traceme_split.every_worker_can_trace() is False
+    with mock.patch.object(tf_traceme_split, "FIXED_IN", "2.22"):
+        assert tf_traceme_split.every_worker_can_trace("2.21.0") is False
+        assert tf_traceme_split.every_worker_can_trace("2.22.1") is True
+        assert tf_traceme_split.may_trace(multi_worker=True, collective_leader=False, version="2.22.0")

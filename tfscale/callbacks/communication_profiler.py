@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tfscale.callbacks import _step_split
 from tfscale.cluster import ClusterSpec
-from tfscale.compat import profiler_xplane, tf_barrier
+from tfscale.compat import profiler_xplane, tf_barrier, tf_traceme_split
 
 __all__ = ["CommunicationProfiler"]
 
@@ -45,6 +45,14 @@ class CommunicationProfiler(keras.callbacks.Callback):
     time, 0.71 MB/step in 1.00 launches; input 2%, compute 67%". `step_s` is the wall clock around
     the profiled steps, measured apart from the trace.
 
+    Under `multi_worker` (TensorFlow 2.21, and any version not yet checked) only the chief
+    (the collective group leader) runs the profiler: stopping it on another worker can crash
+    that worker (a TensorFlow bug, see tfscale/compat/tf_traceme_split.py). The other
+    workers still time the same steps and write their JSON with `"traced": false`, `step_s`
+    and `allreduce_bytes_per_step`, and None for the parts read from a trace; the chief's
+    split stands for theirs (the all-reduce keeps the workers in step, and its time includes
+    waiting for the slowest).
+
     Args:
         log_dir: where the JSON and the trace go.
         profile_steps: `(first, last)` batches (1-based, counted over the whole `fit`)
@@ -75,7 +83,7 @@ class CommunicationProfiler(keras.callbacks.Callback):
         self.log_dir = os.fspath(log_dir)
         self.profile_steps = steps
         self.report = None
-        self._step, self._started = 0, None
+        self._step, self._started, self._tracing = 0, None, False
         self._fits = 0  # `fit` calls so far: part of each barrier's name, the same on every worker
 
     def on_train_begin(self, logs=None):
@@ -86,8 +94,10 @@ class CommunicationProfiler(keras.callbacks.Callback):
         self._step += 1
         if self._step == self.profile_steps[0]:
             self._trace_dir = os.path.join(self.log_dir, _task_label(self.model.distribute_strategy))
+            self._tracing = _may_trace(self.model.distribute_strategy)
             self._quiesce("start")
-            tf.profiler.experimental.start(self._trace_dir)
+            if self._tracing:
+                tf.profiler.experimental.start(self._trace_dir)
             self._started = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
@@ -110,47 +120,76 @@ class CommunicationProfiler(keras.callbacks.Callback):
     def _finish(self, steps):
         wall = time.perf_counter() - self._started
         self._quiesce("stop")
-        tf.profiler.experimental.stop()
+        if self._tracing:
+            tf.profiler.experimental.stop()
         self._started = None
         strategy = self.model.distribute_strategy
-        local_replicas = _local_replicas(strategy)
-        path = profiler_xplane.latest_trace(self._trace_dir)
-        events = profiler_xplane.trace_events(path)
-        launches = profiler_xplane.collective_events(path)
-        split = _step_split.split_steps(events)
         step_s = wall / steps
-        per_step = {f"{k}_s_per_step": _mean(split, f"{k}_s") for k in (*_step_split.KINDS, "host")}
         self.report = {
             "task": _task_label(strategy),
             "profiled_steps": [self.profile_steps[0], self.profile_steps[0] + steps - 1],
+            "traced": self._tracing,
             "step_s": step_s,
-            **per_step,
-            "allreduce_fraction": per_step["allreduce_s_per_step"] / step_s,
-            "allreduce_launches_per_step": len(launches) / local_replicas / steps,
+            **{f"{k}_s_per_step": None for k in (*_step_split.KINDS, "host")},
+            "allreduce_fraction": None,
+            "allreduce_launches_per_step": None,
             "replicas_in_sync": strategy.num_replicas_in_sync,
             "allreduce_bytes_per_step": _gradient_bytes_per_step(self.model, strategy),
-            "steps": split,
+            "steps": [],
         }
         os.makedirs(self.log_dir, exist_ok=True)
         task = self.report["task"]
-        _step_split.chrome_trace(events, os.path.join(self.log_dir, f"trace-{task}.json.gz"))
+        if self._tracing:
+            self._read_trace(steps, _local_replicas(strategy))
         with open(os.path.join(self.log_dir, f"communication-{task}.json"), "w") as f:
             json.dump(self.report, f, indent=1)
         spec = ClusterSpec.from_strategy(strategy)
         self._quiesce("written")  # every worker's JSON is on disk before the chief reads them
         if spec.is_writer or not spec.is_multi_worker:
             _plot_workers(self.log_dir)
+        if not self._tracing:
+            _log.info(
+                "tfscale: %.3f s/step (steps %d-%d, %s; not traced: under multi_worker only the chief "
+                "traces on this TensorFlow, see tfscale/compat/tf_traceme_split.py)",
+                step_s,
+                *self.report["profiled_steps"],
+                task,
+            )
+            return
+        per_step = {k: self.report[f"{k}_s_per_step"] for k in _step_split.KINDS}
         _log.info(
             "tfscale: all-reduce %.0f%% of step time, %.2f MB/step in %.2f launches; input %.0f%%, "
             "compute %.0f%% (steps %d-%d, %s)",
             100 * self.report["allreduce_fraction"],
             self.report["allreduce_bytes_per_step"] / 1e6,
             self.report["allreduce_launches_per_step"],
-            100 * per_step["input_s_per_step"] / step_s,
-            100 * per_step["compute_s_per_step"] / step_s,
+            100 * per_step["input"] / step_s,
+            100 * per_step["compute"] / step_s,
             *self.report["profiled_steps"],
             task,
         )
+
+    def _read_trace(self, steps, local_replicas):
+        """Fills the report's split, launches and fraction from this task's trace; writes the Chrome trace."""
+        path = profiler_xplane.latest_trace(self._trace_dir)
+        events = profiler_xplane.trace_events(path)
+        launches = profiler_xplane.collective_events(path)
+        split = _step_split.split_steps(events)
+        per_step = {f"{k}_s_per_step": _mean(split, f"{k}_s") for k in (*_step_split.KINDS, "host")}
+        self.report.update(per_step, steps=split)
+        self.report["allreduce_fraction"] = per_step["allreduce_s_per_step"] / self.report["step_s"]
+        self.report["allreduce_launches_per_step"] = len(launches) / local_replicas / steps
+        task = self.report["task"]
+        _step_split.chrome_trace(events, os.path.join(self.log_dir, f"trace-{task}.json.gz"))
+
+
+def _may_trace(strategy):
+    """False on a worker that is not the collective group leader, where TF's profiler stop can crash.
+
+    See tfscale/compat/tf_traceme_split.py: the leader is the chief (`ClusterSpec.is_chief`).
+    """
+    spec = ClusterSpec.from_strategy(strategy)
+    return tf_traceme_split.may_trace(multi_worker=spec.is_multi_worker, collective_leader=spec.is_chief)
 
 
 def _gradient_bytes_per_step(model, strategy):
@@ -193,5 +232,8 @@ def _plot_workers(log_dir):
     reports = []
     for path in sorted(glob.glob(os.path.join(log_dir, "communication-*.json"))):
         with open(path) as f:
-            reports.append(json.load(f))
-    _step_split.plot(reports, os.path.join(log_dir, "communication.png"))
+            report = json.load(f)
+        if report.get("traced", True):  # an untraced worker has its step time, not its split
+            reports.append(report)
+    if reports:
+        _step_split.plot(reports, os.path.join(log_dir, "communication.png"))

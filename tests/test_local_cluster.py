@@ -7,7 +7,7 @@ import _cluster_helper_targets as targets
 import pytest
 from _launch_util import MARKER, leftovers, new_marker
 
-from tfscale.launch import ClusterRunError, run_local_cluster
+from tfscale.launch import ClusterRunError, LaunchError, run_local_cluster
 
 
 @pytest.fixture
@@ -66,5 +66,5 @@ def test_closures_are_rejected_with_a_clear_error():
     def local_function():
         return 1
 
-    with pytest.raises(ValueError, match="Expected a module-level function"):
+    with pytest.raises(LaunchError, match="Expected a module-level function"):
         run_local_cluster(local_function, 1)

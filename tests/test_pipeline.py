@@ -414,7 +414,7 @@ def test_op_names_parse_back_to_their_op(kind):
 def test_stage_devices_map_v_stages_per_device():
     assert _schedule.stage_devices(["a", "b"], 2) == ["a", "b"]
     assert _schedule.stage_devices(["a", "b"], 4) == ["a", "b", "a", "b"]
-    with pytest.raises(ValueError, match="3 stages cannot be spread evenly over 2 devices"):
+    with pytest.raises(StrategyError, match="3 stages cannot be spread evenly over 2 devices"):
         _schedule.stage_devices(["a", "b"], 3)
 
 

@@ -1,5 +1,6 @@
 """Drop-in Keras callbacks for training that scales and survives faults."""
 
+from tfscale.callbacks._errors import CallbackError
 from tfscale.callbacks.backup_and_restore import (
     RESTART_EXIT_CODE,
     BackupAndRestore,
@@ -21,6 +22,7 @@ __all__ = [
     "BackupInUseError",
     "BackupMismatchError",
     "BackupWriteError",
+    "CallbackError",
     "CommunicationProfiler",
     "FailAt",
     "InjectedFault",

@@ -10,6 +10,7 @@ import keras
 import tensorflow as tf
 
 from tfscale.callbacks import _step_split
+from tfscale.callbacks._errors import CallbackError
 from tfscale.cluster import ClusterSpec
 from tfscale.compat import profiler_xplane, tf_barrier
 
@@ -51,7 +52,7 @@ class CommunicationProfiler(keras.callbacks.Callback):
             to profile; profile after the first step so tracing is not counted.
 
     Raises:
-        ValueError: `profile_steps` is not two integers 1 <= first <= last.
+        CallbackError: `profile_steps` is not two integers 1 <= first <= last.
 
     Example:
 
@@ -68,7 +69,7 @@ class CommunicationProfiler(keras.callbacks.Callback):
             or any(isinstance(s, bool) or not isinstance(s, int) for s in steps)
             or not (1 <= steps[0] <= steps[1])
         ):
-            raise ValueError(
+            raise CallbackError(
                 "Invalid value for argument `profile_steps`. Received: "
                 f"profile_steps={profile_steps!r}. Expected (first, last) integers with 1 <= first <= last."
             )

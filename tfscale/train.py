@@ -222,8 +222,7 @@ def _profiler_callback(config):
 
 
 def _backup_callback(config, global_batch, elastic):
-    from tfscale.callbacks import BackupAndRestore
-    from tfscale.callbacks._elastic_backup import ElasticBackupAndRestore
+    from tfscale.callbacks import BackupAndRestore, ElasticBackupAndRestore
 
     if elastic is not None:  # backups made at another size resume here
         return ElasticBackupAndRestore(

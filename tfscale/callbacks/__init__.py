@@ -1,5 +1,6 @@
 """Drop-in Keras callbacks for training that scales and survives faults."""
 
+from tfscale.callbacks._elastic_backup import ElasticBackupAndRestore
 from tfscale.callbacks._errors import CallbackError
 from tfscale.callbacks.backup_and_restore import (
     RESTART_EXIT_CODE,
@@ -24,6 +25,7 @@ __all__ = [
     "BackupWriteError",
     "CallbackError",
     "CommunicationProfiler",
+    "ElasticBackupAndRestore",
     "FailAt",
     "InjectedFault",
     "LearningRateWarmup",

@@ -12,7 +12,7 @@ import tensorflow as tf
 from tfscale.callbacks import _step_split
 from tfscale.callbacks._errors import CallbackError
 from tfscale.cluster import ClusterSpec
-from tfscale.compat import profiler_xplane, tf_barrier
+from tfscale.compat import profiler_xplane, tf_barrier, tf_communication
 
 __all__ = ["CommunicationProfiler"]
 
@@ -162,11 +162,9 @@ def _gradient_bytes_per_step(model, strategy):
     accumulation steps k: `tests/test_communication.py` checks the traced all-reduce
     sends exactly that, `tests/test_compat_profiler_xplane.py` that it runs once per k.
     """
-    from tfscale.strategies import _communication
-
     if strategy.num_replicas_in_sync < 2:
         return 0
-    compressed = _communication.COMPRESSIONS[_communication.of(strategy).gradient_compression]
+    compressed = tf_communication.compression_dtype(strategy)
     size = sum(
         v.shape.num_elements() * (compressed or tf.as_dtype(v.dtype)).size for v in model.trainable_variables
     )

@@ -5,17 +5,9 @@ import time
 
 import _cluster_helper_targets as targets
 import pytest
-from _launch_util import MARKER, leftovers, new_marker
+from _launch_util import MARKER
 
 from tfscale.launch import ClusterRunError, LaunchError, run_local_cluster
-
-
-@pytest.fixture
-def marker():
-    """A unique environment marker to find every process a test started."""
-    value = new_marker()
-    yield value
-    assert leftovers(value) == [], "processes outlived the cluster"
 
 
 def test_each_task_gets_its_own_tf_config_of_one_cluster(marker):

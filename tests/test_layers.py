@@ -182,3 +182,17 @@ def test_imports_run_one_way_without_cycles():
 )
 def test_checker_names_the_bad_edge(graph, expected):
     assert any(expected in v for v in _violations(graph))
+
+
+def test_the_restart_count_variable_is_named_by_its_owner_alone():
+    # The launcher <-> task protocol (tfscale/_task_protocol.py) owns the variable's name.
+    owner = ROOT / "tfscale" / "_task_protocol.py"
+    naming = [
+        path
+        for path in _modules().values()
+        if any(
+            isinstance(node, ast.Constant) and node.value == "TFSCALE_RESTART_COUNT"
+            for node in ast.walk(ast.parse(path.read_text()))
+        )
+    ]
+    assert naming == [owner]

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from absl import flags
 
-from tfscale import _quiet, errors
+from tfscale import _quiet, _task_protocol, errors
 from tfscale import flags as tfscale_flags
 from tfscale.errors import Error
 
@@ -262,7 +262,7 @@ def _fail_at_callback(step):
     # SIGKILL: no cleanup at all, the harshest fault a restart has to survive. Under
     # tfscale-launch only the first attempt fails, so that the restarted job replays the
     # step (from a backup before it) without failing again.
-    first_attempt = 0 if "TFSCALE_RESTART_COUNT" in os.environ else None
+    first_attempt = 0 if _task_protocol.RESTART_COUNT_VAR in os.environ else None
     return FailAt(step, mode="sigkill", restart_count=first_attempt)
 
 

@@ -42,11 +42,11 @@ class WorkerRange:
 
 
 def parse_num_workers(text):
-    """`"4"` -> 4, `"2:4"` -> `WorkerRange(2, 4)`; raises ValueError naming `--num_workers`."""
+    """`"4"` -> 4, `"2:4"` -> `WorkerRange(2, 4)`; raises `LaunchError` naming `--num_workers`."""
     match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(text))
     low, high = (int(match.group(1)), int(match.group(2) or match.group(1))) if match else (0, 0)
     if not match or low < 1 or high < low:
-        raise ValueError(
+        raise LaunchError(
             f"Invalid value for `--num_workers`. Received: {text!r}. Expected a positive integer N or "
             "MIN:MAX with 1 <= MIN <= MAX."
         )

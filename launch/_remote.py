@@ -19,6 +19,7 @@ remote side gets SIGHUP and the task does not outlive the job.
 import re
 import shlex
 
+from tfscale._hosts import host_of
 from tfscale.launch.supervisor import LaunchError
 
 __all__ = ["DEFAULT_REMOTE_CMD", "check_template", "host_of", "render"]
@@ -51,13 +52,6 @@ def check_template(template):
             "as a word of its own."
         )
     return words
-
-
-def host_of(address):
-    """The host part of 'host', 'host:port' or '[v6]:port'."""
-    if address.startswith("["):
-        return address[: address.index("]") + 1]
-    return address.split(":", 1)[0]
 
 
 def render(template, *, host, host_index, env, command, cwd):

@@ -16,6 +16,7 @@ import resource
 import shutil
 import sys
 
+from tfscale import _task_protocol
 from tfscale.launch import _procs, _remote
 from tfscale.launch.supervisor import LaunchError, TaskSpec
 
@@ -35,7 +36,7 @@ def compat_env(base):
     return {"PYTHONPATH": keras_compat_dir() + (os.pathsep + current if current else "")}
 
 
-RESTART_COUNT_VAR = "TFSCALE_RESTART_COUNT"
+RESTART_COUNT_VAR = _task_protocol.RESTART_COUNT_VAR
 JOB_ID_VAR = "TFSCALE_JOB_ID"  # read by tfscale.callbacks.BackupAndRestore (its `job_id`)
 
 

@@ -18,6 +18,7 @@ import time
 from tfscale.cluster import ClusterSpec
 from tfscale.errors import FAILED_RUN, Error
 from tfscale.launch import _procs
+from tfscale.launch.supervisor import LaunchError
 
 __all__ = ["ClusterRunError", "TaskResult", "run_local_cluster"]
 
@@ -63,7 +64,7 @@ def _function_ref(fn):
     module = sys.modules[fn.__module__]
     path = getattr(module, "__file__", None)
     if path is None or "<locals>" in fn.__qualname__:
-        raise ValueError(
+        raise LaunchError(
             f"Invalid value for argument `target`. Received: target={fn!r}. Expected a "
             "module-level function of an importable file, or a command list."
         )
@@ -104,10 +105,12 @@ def run_local_cluster(
         A list of `TaskResult`, chief first, then workers by index.
 
     Raises:
+        LaunchError: `num_workers` is not a positive integer, or a function `target` is not
+            at module level of an importable file.
         ClusterRunError: a task failed or the timeout passed (with `check`).
     """
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(
+        raise LaunchError(
             f"Invalid value for argument `num_workers`. Received: num_workers={num_workers!r}. "
             "Expected a positive integer."
         )

@@ -15,6 +15,7 @@ from tfscale.strategies._devices import split_cpu
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._memory import memory_report
 from tfscale.strategies._partition import BalanceError
+from tfscale.strategies._peers import DEFAULT_CLUSTER_TIMEOUT, ClusterTimeoutError
 from tfscale.strategies._remote import connect_cluster
 from tfscale.strategies.model_split import (
     ColumnParallelDense,
@@ -27,8 +28,10 @@ from tfscale.strategies.model_split import (
 from tfscale.strategies.pipeline import PipelineStrategy
 
 __all__ = [
+    "DEFAULT_CLUSTER_TIMEOUT",
     "NAMES",
     "BalanceError",
+    "ClusterTimeoutError",
     "ColumnParallelDense",
     "Communication",
     "HeadParallelMultiHeadAttention",

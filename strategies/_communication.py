@@ -12,6 +12,7 @@ import math
 
 import tensorflow as tf
 
+from tfscale.compat import tf_communication
 from tfscale.strategies._errors import StrategyError
 
 __all__ = ["COMPRESSIONS", "IMPLEMENTATIONS", "Communication", "configure", "of"]
@@ -22,7 +23,6 @@ IMPLEMENTATIONS = {
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
-_ATTRIBUTE = "_tfscale_communication"
 
 
 def _is_number(value):
@@ -105,13 +105,13 @@ def configure(strategy, **options):
         The `Communication` now in effect for `strategy`.
     """
     communication = Communication(**options)
-    setattr(strategy, _ATTRIBUTE, communication)
+    tf_communication.attach(strategy, communication)
     return communication
 
 
 def of(strategy):
     """The `Communication` attached to `strategy` (defaults if none was)."""
-    return getattr(strategy, _ATTRIBUTE, None) or Communication()
+    return tf_communication.attached(strategy) or Communication()
 
 
 def traced_all_reduces(graph):

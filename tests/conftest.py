@@ -33,6 +33,7 @@ within seconds of its summary. tests/test_conftest.py keeps such workarounds out
 import os
 
 import pytest
+from _launch_util import leftovers, new_marker
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -53,6 +54,14 @@ def data_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tfds"))
     digits.prepare(path)
     return path
+
+
+@pytest.fixture
+def marker():
+    """A fresh marker for the processes a test starts; it fails if one of them outlives the test."""
+    value = new_marker()
+    yield value
+    assert leftovers(value) == [], "processes started by the test outlived it"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -112,3 +112,24 @@ def test_fp16_overflow_falls_back_to_uncompressed_instead_of_inf():
 def test_bad_options_name_the_value(options, match):
     with pytest.raises(StrategyError, match=match):
         get("mirrored", cpu_replicas=2, **options)
+
+
+def test_compat_reads_the_options_a_strategy_was_built_with_and_those_tfscale_attaches():
+    """tfscale.compat.tf_communication's gate: the private `extended._communication_options`."""
+    from tfscale.compat import tf_communication
+    from tfscale.strategies import configure_communication
+
+    strategy = tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"],
+        cross_device_ops=None,
+    )
+    own = strategy.extended._communication_options
+    assert (
+        tf_communication.attached(strategy) is None and tf_communication.compression_dtype(strategy) is None
+    )
+    assert tf_communication.options(strategy).bytes_per_pack == own.bytes_per_pack == 0
+    configure_communication(strategy, gradient_compression="bf16", bytes_per_pack=64, timeout_seconds=9.0)
+    assert tf_communication.compression_dtype(strategy) == tf.bfloat16
+    merged = tf_communication.options(strategy)
+    assert (merged.bytes_per_pack, merged.timeout_seconds) == (64, 9.0)
+    assert own.bytes_per_pack == 0  # merged into a copy, the strategy's own left as built

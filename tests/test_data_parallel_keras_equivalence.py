@@ -11,6 +11,7 @@ Dropout (there the reference is the uninterrupted data-parallel run: each copy d
 own masks for its half of the batch, which one device cannot reproduce).
 """
 
+import _model_helpers as helpers
 import keras
 import numpy as np
 import pytest
@@ -221,12 +222,6 @@ def test_frozen_batch_norm_trains_like_one_device(mode):
     _assert_equal(got, expected, got_w, expected_w)
 
 
-class _StopAfterFirstEpoch(keras.callbacks.Callback):
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == 0:
-            raise RuntimeError("interrupted")
-
-
 @pytest.mark.parametrize("mode", _modes(fast="layer"))
 def test_backup_resume_with_dropout_equals_the_uninterrupted_run(mode, tmp_path):
     # Case 7: every copy's Dropout seed state is restored, not replica 0's alone. (Resumed
@@ -241,11 +236,9 @@ def test_backup_resume_with_dropout_equals_the_uninterrupted_run(mode, tmp_path)
     whole = fresh()
     expected = _fit(whole, epochs=2)
     backup = tfscale.callbacks.BackupAndRestore(str(tmp_path / "backup"))
-    first = fresh()
-    with pytest.raises(RuntimeError, match="interrupted"):
-        _fit(first, epochs=2, callbacks=[backup, _StopAfterFirstEpoch()])
-    resumed = fresh()
-    got = _fit(resumed, epochs=2, callbacks=[backup])
+    resumed, got = helpers.interrupted_then_resumed(
+        fresh(), fresh, backup, lambda model, callbacks: _fit(model, epochs=2, callbacks=callbacks)
+    )
     _assert_equal(got, {"loss": expected["loss"][1:]}, _weights(strategy, resumed), _weights(strategy, whole))
 
 

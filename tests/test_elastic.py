@@ -18,7 +18,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from _launch_util import leftovers, new_marker, read_until, run_launcher, start_launcher
+from _launch_util import leftovers, read_until, run_launcher, start_launcher
 
 from tfscale.launch import _discovery, elastic
 from tfscale.launch.supervisor import LaunchError
@@ -36,13 +36,6 @@ ELASTIC = [
     "--grace_period",
     "5",
 ]
-
-
-@pytest.fixture
-def marker():
-    value = new_marker()
-    yield value
-    assert leftovers(value) == [], "processes started by the launcher outlived it"
 
 
 def _discovery_file(tmp_path, slots):

@@ -127,3 +127,101 @@ def test_each_binary_turns_a_tfscale_error_into_one_line_and_its_exit_status(pro
 def test_a_bug_that_is_no_tfscale_error_still_shows_its_traceback(prog):
     proc = _run_binary_raising(prog, 2, error="KeyError")
     assert proc.returncode not in (0, 2) and "Traceback" in proc.stderr and "KeyError" in proc.stderr
+
+
+# Bad input to each public entry point that once raised a plain ValueError/RuntimeError:
+# hostile values generated per kind of argument; each must end in one tfscale.Error line
+# that names the value it got. Entry points are named here and imported when the case runs,
+# so collecting this file imports no TensorFlow.
+_ENTRIES = {
+    "StepTimer": ("tfscale.callbacks", "StepTimer"),
+    "LearningRateWarmup": ("tfscale.callbacks", "LearningRateWarmup"),
+    "CommunicationProfiler": ("tfscale.callbacks", "CommunicationProfiler"),
+    "run_local_cluster": ("tfscale.launch", "run_local_cluster"),
+    "parse_num_workers": ("tfscale.launch.elastic", "parse_num_workers"),
+    "order": ("tfscale.strategies.pipeline.schedules", "order"),
+    "theoretical_bubble": ("tfscale.strategies.pipeline.schedules", "theoretical_bubble"),
+    "stage_devices": ("tfscale.strategies.pipeline.schedules", "stage_devices"),
+}
+_NOT_POSITIVE_INTS = [0, -3, True, 1.5, "2", None]
+_NOT_POSITIVE_NUMBERS = [0, -0.5, float("nan"), float("inf"), "0.1", True, None]
+
+
+def _module_level_target():
+    return 1
+
+
+def _bad_calls():
+    """Yields (entry, args, kwargs, text the message must hold) per entry x hostile value."""
+    for v in _NOT_POSITIVE_INTS:
+        yield "StepTimer", (), {"global_batch_size": v}, f"={v!r}"
+        yield "StepTimer", (8,), {"num_replicas": v}, f"={v!r}"
+        yield "LearningRateWarmup", (0.1, 1), {"steps_per_epoch": v}, f"={v!r}"
+        yield "run_local_cluster", (_module_level_target,), {"num_workers": v}, f"={v!r}"
+    for v in _NOT_POSITIVE_NUMBERS:
+        yield "LearningRateWarmup", (v, 1, 10), {}, f"={v!r}"
+        yield "LearningRateWarmup", (0.1, 1, 10), {"scale": v}, f"={v!r}"
+        if v not in (0, None):  # a zero or no initial rate is allowed
+            yield "LearningRateWarmup", (0.1, 1, 10), {"initial_lr": v}, f"={v!r}"
+    for steps in [(0, 2), (3, 2), (1,), "1:2", (1.0, 2), None]:
+        yield "CommunicationProfiler", ("/tmp/unused",), {"profile_steps": steps}, f"={steps!r}"
+    for text in ["0", "3:2", "x", "-1", "2:", ""]:
+        yield "parse_num_workers", (text,), {}, repr(text)
+    for name in ["1F1B", "pipedream", None, 3]:
+        yield "order", (name, 2, 4), {}, f"={name!r}"
+        yield "theoretical_bubble", (2, 4, name), {}, f"={name!r}"
+    yield "stage_devices", (["a", "b"], 3), {}, "3 stages"
+    yield "stage_devices", ([], 2), {}, "2 stages"
+    yield "run_local_cluster", (lambda: 1,), {"num_workers": 1}, "target=<function"
+
+
+def _shown(value):
+    """A value in a test id: a function by its name (no memory address: the same id in each xdist worker)."""
+    return value.__name__ if callable(value) else repr(value)
+
+
+def _bad_call_params():
+    params = []
+    for entry, args, kwargs, received in _bad_calls():
+        shown = ", ".join([*map(_shown, args), *(f"{k}={_shown(v)}" for k, v in kwargs.items())])
+        params.append(pytest.param(entry, args, kwargs, received, id=f"{entry}({shown})"))
+    return params
+
+
+@pytest.mark.parametrize(("entry", "args", "kwargs", "received"), _bad_call_params())
+def test_bad_input_to_a_public_entry_point_is_one_tfscale_error_line(entry, args, kwargs, received):
+    module, name = _ENTRIES[entry]
+    function = getattr(importlib.import_module(module), name)
+    with pytest.raises(tfscale.Error) as raised:
+        function(*args, **kwargs)
+    message = str(raised.value)
+    assert "\n" not in message and received in message, message
+
+
+def test_a_deadlocking_schedule_and_a_non_pipelined_trace_are_tfscale_errors():
+    import keras
+    import numpy as np
+
+    from tfscale.strategies import StrategyError
+    from tfscale.strategies.pipeline import schedules, timeline
+
+    backwards_first = [list(reversed(lane)) for lane in schedules.order("1f1b", 2, 2)]
+    with pytest.raises(StrategyError, match=r"^The schedule deadlocks: Op\(stage=0"):
+        schedules.simulate(backwards_first, dict.fromkeys(schedules.Kind, 1.0))
+    plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    plain.compile("sgd", "mse")
+    with pytest.raises(StrategyError, match=r"^Invalid value for argument `model`\. Received: model=Sequ"):
+        timeline.trace_train_step(plain, np.zeros((4, 2)), np.zeros((4, 1)))
+    assert issubclass(timeline.TraceError, RuntimeError)
+    assert timeline.TraceError.exit_status == errors.FAILED_RUN
+
+
+def test_a_keras_without_the_private_api_a_compat_module_needs_is_a_failed_run():
+    from tfscale.compat import _errors, keras_compile_loss, keras_optimizer_clip
+
+    with pytest.raises(_errors.UnsupportedVersionError, match=r"^This Keras version has no `Model\._compile"):
+        keras_compile_loss.compiled_loss(object())
+    with pytest.raises(_errors.UnsupportedVersionError, match=r"^This Keras optimizer has no"):
+        keras_optimizer_clip.clip_norm_by_groups(object(), {}.get)
+    assert issubclass(_errors.UnsupportedVersionError, (tfscale.Error, RuntimeError))
+    assert _errors.UnsupportedVersionError.exit_status == errors.FAILED_RUN

@@ -11,6 +11,7 @@ the stage copies carry the seed states); the others with two.
 `pytest tests/test_generality.py -s` prints the measured differences (README table).
 """
 
+import _model_helpers as helpers
 import keras
 import numpy as np
 import pytest
@@ -168,8 +169,7 @@ def data(name):
 
 
 def fresh(name):
-    keras.utils.set_random_seed(3)
-    return MODELS[name][0]()
+    return helpers.seeded(MODELS[name][0], 3)
 
 
 def train(model, name):
@@ -181,15 +181,13 @@ def train(model, name):
 
 @pytest.fixture(scope="module")
 def reference():
-    runs = {}
+    """Per model: per-step losses and final weights of the unsplit run."""
 
     def run(name):
-        if name not in runs:
-            model = fresh(name)
-            runs[name] = (train(model, name), model.get_weights())
-        return runs[name]
+        model = fresh(name)
+        return train(model, name), model.get_weights()
 
-    return run
+    return helpers.once_per_key(run)
 
 
 # (model, mode) -> the one-line refusal expected (layer named, reason given).

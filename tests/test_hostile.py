@@ -510,10 +510,10 @@ def test_job_files_are_written_all_or_nothing(tmp_path, mounts, monkeypatch):
 def test_job_files_whose_second_rename_fails_keep_the_first_as_it_was(tmp_path, monkeypatch):
     # The rename is the one step after every check: make the second one fail for real by
     # turning its target into a folder between the staging and the renames.
-    from tfscale.launch import _jobfiles
+    from tfscale.launch import jobfiles
 
     (tmp_path / "job.sh").write_text("old\n")
-    stage = _jobfiles._stage
+    stage = jobfiles._stage
 
     def stage_then_block(path, text, mode, staged):
         stage(path, text, mode, staged)
@@ -521,10 +521,10 @@ def test_job_files_whose_second_rename_fails_keep_the_first_as_it_was(tmp_path, 
             os.mkdir(path)
             (tmp_path / "job.yaml" / "keep").write_text("")
 
-    monkeypatch.setattr(_jobfiles, "_stage", stage_then_block)
+    monkeypatch.setattr(jobfiles, "_stage", stage_then_block)
     files = [(str(tmp_path / "job.sh"), "new\n", 0o755), (str(tmp_path / "job.yaml"), "y\n", 0o644)]
     with pytest.raises(OSError, match=r"job\.yaml"):
-        _jobfiles.write_all_atomic(files)
+        jobfiles.write_all_atomic(files)
     assert (tmp_path / "job.sh").read_text() == "old\n"
     assert sorted(os.listdir(tmp_path)) == ["job.sh", "job.yaml"]
 

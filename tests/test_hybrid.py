@@ -5,6 +5,7 @@ Reference: the unsplit model trained on one device with the same global batch. T
 the gradient of a global batch is summed over replicas and micro-batches in another order.
 """
 
+import _model_helpers as helpers
 import keras
 import numpy as np
 import pytest
@@ -42,19 +43,6 @@ class _Block(keras.layers.Layer):
         return {**super().get_config(), "width": self.width, "heads": self.heads}
 
 
-def _mlp():
-    return keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(12, activation="relu"),
-            keras.layers.Dense(10, activation="tanh"),
-            keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
-            keras.layers.Dense(3),
-        ],
-        name="mlp",
-    )
-
-
 def _transformer():
     return keras.Sequential(
         [
@@ -69,43 +57,31 @@ def _transformer():
     )
 
 
-_BUILDERS = {"mlp": _mlp, "transformer": _transformer}
+_BUILDERS = {"mlp": helpers.mlp, "transformer": _transformer}
 
 
 def _model(kind, seed=0):
-    keras.utils.set_random_seed(seed)
-    return _BUILDERS[kind]()
+    return helpers.seeded(_BUILDERS[kind], seed)
 
 
 def _data(kind, samples=SAMPLES):
+    if kind != "transformer":
+        return helpers.regression_data((6,), samples)
     rng = np.random.default_rng(1)
-    if kind == "transformer":
-        x = rng.integers(0, VOCAB, size=(samples, SEQ)).astype("int32")
-    else:
-        x = rng.normal(size=(samples, 6)).astype("float32")
+    x = rng.integers(0, VOCAB, size=(samples, SEQ)).astype("int32")
     return x, rng.normal(size=(samples, 3)).astype("float32")
 
 
 def _compile(model):
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse", metrics=["mae"])
-    return model
+    return helpers.compile_sgd(model, 0.01)
 
 
 def _fit(model, x, y, **kwargs):
-    return model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, **kwargs).history
+    return helpers.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, **kwargs)
 
 
-_REFERENCE = {}
-
-
-def _reference(kind):
-    """The unsplit model trained on one device: history and final weights (once per kind)."""
-    if kind not in _REFERENCE:
-        with tf.device("/device:CPU:0"):
-            model = _compile(_model(kind))
-            history = _fit(model, *_data(kind))
-        _REFERENCE[kind] = (history, model.get_weights())
-    return _REFERENCE[kind]
+# The unsplit model trained on one device: kind -> (history, final weights), once per kind.
+_reference = helpers.reference_runs(_model, _data, _compile, _fit)
 
 
 def _assert_trains_like_reference(kind, model):
@@ -113,9 +89,7 @@ def _assert_trains_like_reference(kind, model):
     got = _fit(model, *_data(kind))
     np.testing.assert_allclose(got["loss"], history["loss"], rtol=RTOL)
     np.testing.assert_allclose(got["mae"], history["mae"], rtol=RTOL)
-    assert len(model.get_weights()) == len(weights)
-    for a, b in zip(model.get_weights(), weights):
-        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+    helpers.assert_weights_close(model.get_weights(), weights, rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -239,12 +213,6 @@ def test_model_split_x_data_parallel_trains_like_one_device(tensor_parallel, tmp
             np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
 
 
-class _StopAfterEpoch(keras.callbacks.Callback):
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == 0:
-            raise RuntimeError("interrupted")
-
-
 @pytest.mark.parametrize(
     "backup_class",
     [keras.callbacks.BackupAndRestore, tfscale.callbacks.BackupAndRestore],
@@ -255,15 +223,15 @@ def test_backup_and_restore_of_pipeline_x_data_parallel(tmp_path, backup_class):
     expected, weights = _reference("mlp")
     backup = backup_class(str(tmp_path / "backup"))
     strategy = PipelineStrategy(num_stages=2, num_microbatches=2, data_parallel=2, balance="uniform")
-    first = _compile(strategy.split(_model("mlp")))
-    with pytest.raises(RuntimeError, match="interrupted"):
-        _fit(first, x, y, callbacks=[backup, _StopAfterEpoch()])
-    # A fresh hybrid model from other weights: only the restore (into every replica) fixes it.
-    second = _compile(strategy.split(_model("mlp", seed=3)))
-    history = _fit(second, x, y, callbacks=[backup])
+    second, history = helpers.interrupted_then_resumed(
+        _compile(strategy.split(_model("mlp"))),
+        # A fresh hybrid model from other weights: only the restore (into every replica) fixes it.
+        lambda: _compile(strategy.split(_model("mlp", seed=3))),
+        backup,
+        lambda model, callbacks: _fit(model, x, y, callbacks=callbacks),
+    )
     np.testing.assert_allclose(history["loss"], expected["loss"][1:], rtol=RTOL)
-    for a, b in zip(second.get_weights(), weights):
-        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+    helpers.assert_weights_close(second.get_weights(), weights, rtol=0, atol=ATOL)
     path = str(tmp_path / "hybrid.weights.h5")
     second.save_weights(path)
     unsplit = _model("mlp", seed=4)

@@ -17,7 +17,7 @@ from unittest import mock
 
 import pytest
 import tensorflow as tf
-from _launch_util import LAUNCHER, _env, leftovers, new_marker, run_launcher, start_launcher
+from _launch_util import LAUNCHER, _env, run_launcher, start_launcher
 
 from tfscale._quiet import is_startup_noise
 from tfscale.cluster import ClusterSpec
@@ -25,14 +25,6 @@ from tfscale.launch import _remote, jobs
 from tfscale.launch.supervisor import LaunchError
 
 PRINT_ENV = "import os, json; print(json.dumps(dict(os.environ)))"
-
-
-@pytest.fixture
-def marker():
-    """A fresh marker; the test fails if a process carrying it outlives the test."""
-    value = new_marker()
-    yield value
-    assert leftovers(value) == [], "processes started by the launcher outlived it"
 
 
 def _lines(stdout, prefix):

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from _launch_util import leftovers, new_marker, read_until, run_launcher, start_launcher
+from _launch_util import read_until, run_launcher, start_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "_launch_train.py")
@@ -20,13 +20,6 @@ TUTORIAL_RUNNER = os.path.join(HERE, "_launch_tutorial.py")
 TUTORIAL = os.path.join(os.path.dirname(HERE), "examples", "multi_worker_tutorial", "main.py")
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def marker():
-    value = new_marker()
-    yield value
-    assert leftovers(value) == [], "processes started by the launcher outlived it"
 
 
 def _weights(out_dir, names):

@@ -5,17 +5,9 @@ import time
 
 import _cluster_helper_targets as targets
 import pytest
-from _launch_util import MARKER, leftovers, new_marker
+from _launch_util import MARKER
 
-from tfscale.launch import ClusterRunError, run_local_cluster
-
-
-@pytest.fixture
-def marker():
-    """A unique environment marker to find every process a test started."""
-    value = new_marker()
-    yield value
-    assert leftovers(value) == [], "processes outlived the cluster"
+from tfscale.launch import ClusterRunError, LaunchError, run_local_cluster
 
 
 def test_each_task_gets_its_own_tf_config_of_one_cluster(marker):
@@ -66,5 +58,5 @@ def test_closures_are_rejected_with_a_clear_error():
     def local_function():
         return 1
 
-    with pytest.raises(ValueError, match="Expected a module-level function"):
+    with pytest.raises(LaunchError, match="Expected a module-level function"):
         run_local_cluster(local_function, 1)

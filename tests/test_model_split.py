@@ -5,6 +5,7 @@ per-head attention sums), so per-epoch losses must agree to a relative 1e-5 and 
 to an absolute 2e-5 after 3 epochs of SGD with momentum.
 """
 
+import _model_helpers as helpers
 import keras
 import numpy as np
 import pytest
@@ -99,8 +100,7 @@ def data(name):
 
 
 def fresh(name):
-    keras.utils.set_random_seed(7)
-    return MODELS[name]()
+    return helpers.seeded(MODELS[name], 7)
 
 
 def train(model, name):
@@ -113,16 +113,13 @@ def train(model, name):
 @pytest.fixture(scope="module")
 def reference():
     """Per model: initial weights, per-epoch losses and final weights of the unsplit run."""
-    runs = {}
 
     def run(name):
-        if name not in runs:
-            model = fresh(name)
-            initial = [w.copy() for w in model.get_weights()]
-            runs[name] = (initial, train(model, name), model.get_weights())
-        return runs[name]
+        model = fresh(name)
+        initial = [w.copy() for w in model.get_weights()]
+        return initial, train(model, name), model.get_weights()
 
-    return run
+    return helpers.once_per_key(run)
 
 
 def device_name(variable):
@@ -403,30 +400,18 @@ def test_functional_chain_with_dropout_splits_by_time_and_keeps_adam_slots_with_
     np.testing.assert_allclose(copy(x), model(x), atol=1e-6)
 
 
-def _uneven_mlp():
-    """Parameters per layer 7*64, 64*2, 2*2, 2*64, 64*3 (+ biases): uniform differs from both."""
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((7,))] + [keras.layers.Dense(n) for n in (64, 2, 2, 64, 3)])
-
-
-def _fixed_times(monkeypatch, seconds):
-    """Layer timings the partitioner would have measured, fixed so the test is exact."""
-    calls = iter(seconds)
-    monkeypatch.setattr(strategies._partition, "_time_layer", lambda layer, x: (layer(x), next(calls)))
-
-
 @pytest.mark.parametrize("method", ["parameters", "time"])
 @pytest.mark.parametrize("where", ["constructor", "split"])
 def test_balance_reaches_the_partitioner(method, where, monkeypatch):
-    model, x = _uneven_mlp(), np.zeros((4, 7), "float32")
+    model, x = helpers.uneven_mlp(), np.zeros((4, 7), "float32")
     layers = strategies._partition.chain_layers(model)
     times = [1.0, 1.0, 1.0, 1.0, 9.0]  # "time": the last layer alone on one device.
     if method == "time":
-        _fixed_times(monkeypatch, times)
+        helpers.fix_layer_times(monkeypatch, times)
     expected = strategies._partition.balance(layers, 2, method, x)
     assert expected not in ([3, 2], [2, 3])  # unlike "uniform"
     if method == "time":
-        _fixed_times(monkeypatch, times)
+        helpers.fix_layer_times(monkeypatch, times)
     if where == "constructor":
         strategy = ModelSplitStrategy(num_devices=2, balance=method, sample_input=x)
         strategy.split(model)

@@ -10,6 +10,7 @@ import re
 import shutil
 import tempfile
 
+import _model_helpers as helpers
 import keras
 import numpy as np
 import pytest
@@ -27,21 +28,6 @@ RTOL, ATOL = 1e-5, 1e-6
 EPOCHS, BATCH, SAMPLES = 3, 16, 32
 
 
-def _mlp(extra=0):
-    """`extra` more Dense(10, tanh) layers make room for S x V = 8 chunks (interleaved, S=4)."""
-    return keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(12, activation="relu"),
-            keras.layers.Dense(10, activation="tanh"),
-            *[keras.layers.Dense(10, activation="tanh") for _ in range(extra)],
-            keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
-            keras.layers.Dense(3),
-        ],
-        name="mlp",
-    )
-
-
 def _cnn(extra=0):
     inputs = keras.Input((6, 6, 2))
     x = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
@@ -55,46 +41,32 @@ def _cnn(extra=0):
 
 
 _BUILDERS = {
-    "mlp": (_mlp, (6,)),
+    "mlp": (helpers.mlp, (6,)),
     "cnn": (_cnn, (6, 6, 2)),
     # The same models with 8 layers, for 8 chunks (interleaved S=4, V=2).
-    "mlp8": (lambda: _mlp(extra=4), (6,)),
+    "mlp8": (lambda: helpers.mlp(extra=4), (6,)),
     "cnn8": (lambda: _cnn(extra=2), (6, 6, 2)),
 }
 
 
 def _model(kind, seed=0):
-    keras.utils.set_random_seed(seed)
-    return _BUILDERS[kind][0]()
+    return helpers.seeded(_BUILDERS[kind][0], seed)
 
 
 def _data(kind, samples=SAMPLES):
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(samples, *_BUILDERS[kind][1])).astype("float32")
-    return x, rng.normal(size=(samples, 3)).astype("float32")
+    return helpers.regression_data(_BUILDERS[kind][1], samples)
 
 
 def _compile(model, **kwargs):
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"], **kwargs)
-    return model
+    return helpers.compile_sgd(model, 0.05, **kwargs)
 
 
 def _fit(model, x, y, **kwargs):
-    return model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, **kwargs).history
+    return helpers.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, **kwargs)
 
 
-_REFERENCE = {}
-
-
-def _reference(kind):
-    """The unsplit model trained on one device: history and final weights (once per kind)."""
-    if kind not in _REFERENCE:
-        x, y = _data(kind)
-        with tf.device("/device:CPU:0"):
-            model = _compile(_model(kind))
-            history = _fit(model, x, y)
-        _REFERENCE[kind] = (history, model.get_weights())
-    return _REFERENCE[kind]
+# The unsplit model trained on one device: kind -> (history, final weights), once per kind.
+_reference = helpers.reference_runs(_model, _data, _compile, _fit)
 
 
 def _wrap(kind, **options):
@@ -253,12 +225,6 @@ def test_evaluate_predict_and_weights_files_match_unsplit_model(tmp_path):
     np.testing.assert_array_equal(other.get_weights()[0], pipelined.get_weights()[0])
 
 
-class _StopAfterEpoch(keras.callbacks.Callback):
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == 0:
-            raise RuntimeError("interrupted")
-
-
 @pytest.mark.parametrize(
     "backup_class",
     [keras.callbacks.BackupAndRestore, tfscale.callbacks.BackupAndRestore],
@@ -268,14 +234,14 @@ def test_backup_and_restore_resumes_like_an_uninterrupted_run(tmp_path, backup_c
     x, y = _data("mlp")
     expected, weights = _reference("mlp")
     backup = backup_class(str(tmp_path / "backup"))
-    first = _compile(_wrap("mlp", num_stages=2, num_microbatches=2))
-    with pytest.raises(RuntimeError, match="interrupted"):
-        _fit(first, x, y, callbacks=[backup, _StopAfterEpoch()])
-    second = _compile(_wrap("mlp", num_stages=2, num_microbatches=2, schedule="gpipe"))
-    history = _fit(second, x, y, callbacks=[backup])
+    second, history = helpers.interrupted_then_resumed(
+        _compile(_wrap("mlp", num_stages=2, num_microbatches=2)),
+        lambda: _compile(_wrap("mlp", num_stages=2, num_microbatches=2, schedule="gpipe")),
+        backup,
+        lambda model, callbacks: _fit(model, x, y, callbacks=callbacks),
+    )
     np.testing.assert_allclose(history["loss"], expected["loss"][1:], rtol=RTOL, atol=ATOL)
-    for a, b in zip(second.get_weights(), weights):
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+    helpers.assert_weights_close(second.get_weights(), weights, rtol=RTOL, atol=ATOL)
 
 
 def test_get_routes_to_pipeline_strategy():
@@ -326,33 +292,17 @@ def test_tfscale_backup_of_a_finished_run_restores_into_a_new_pipelined_model(tm
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-def _uneven_mlp():
-    """Parameters per layer 7*64, 64*2, 2*2, 2*64, 64*3 (+ biases): uniform differs from both."""
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [keras.Input((7,))] + [keras.layers.Dense(n) for n in (64, 2, 2, 64, 3)], name="uneven"
-    )
-
-
-def _fixed_times(monkeypatch, seconds):
-    """Layer timings the partitioner would have measured, fixed so the test is exact."""
-    calls = iter(seconds)
-    monkeypatch.setattr(
-        tfscale.strategies._partition, "_time_layer", lambda layer, x: (layer(x), next(calls))
-    )
-
-
 @pytest.mark.parametrize("method", ["parameters", "time"])
 def test_balance_reaches_the_partitioner(method, monkeypatch):
-    model, x = _uneven_mlp(), np.zeros((4, 7), "float32")
+    model, x = helpers.uneven_mlp(), np.zeros((4, 7), "float32")
     layers = tfscale.strategies._partition.chain_layers(model)
     times = [1.0, 1.0, 1.0, 1.0, 9.0]  # "time": the last layer alone on one stage.
     if method == "time":
-        _fixed_times(monkeypatch, times)
+        helpers.fix_layer_times(monkeypatch, times)
     expected = tfscale.strategies._partition.balance(layers, 2, method, x)
     assert expected not in ([3, 2], [2, 3])  # unlike "uniform"
     if method == "time":
-        _fixed_times(monkeypatch, times)
+        helpers.fix_layer_times(monkeypatch, times)
     pipelined = PipelineStrategy(num_stages=2, num_microbatches=2, balance=method).split(
         model, sample_input=x
     )
@@ -414,7 +364,7 @@ def test_op_names_parse_back_to_their_op(kind):
 def test_stage_devices_map_v_stages_per_device():
     assert _schedule.stage_devices(["a", "b"], 2) == ["a", "b"]
     assert _schedule.stage_devices(["a", "b"], 4) == ["a", "b", "a", "b"]
-    with pytest.raises(ValueError, match="3 stages cannot be spread evenly over 2 devices"):
+    with pytest.raises(StrategyError, match="3 stages cannot be spread evenly over 2 devices"):
         _schedule.stage_devices(["a", "b"], 3)
 
 

@@ -71,7 +71,7 @@ def test_simulated_zb_h1_bubble_is_a_third_of_1f1b_and_deadlocks_are_reported():
     assert slow[Op(1, Kind.FORWARD, 0)] == (3.0, 4.0)
     assert max(b for _, b in slow.values()) == max(b for _, b in even.values()) + 2.0
     backwards_first = [list(reversed(lane)) for lane in schedules.order("1f1b", 2, 2)]
-    with pytest.raises(ValueError, match="deadlocks"):
+    with pytest.raises(StrategyError, match="deadlocks"):
         schedules.simulate(backwards_first, dict.fromkeys(Kind, 1.0))
 
 

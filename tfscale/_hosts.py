@@ -19,6 +19,7 @@ __all__ = [
     "check_port",
     "cluster_from_hostfile",
     "cluster_from_hosts",
+    "host_of",
     "parse_address",
     "read_text_file",
 ]
@@ -61,6 +62,13 @@ def check_port(port, name="port"):
             f"Invalid value for `{name}`. Received: {describe(port)}. Expected a TCP port in 1-65535."
         )
     return port
+
+
+def host_of(address):
+    """The host part of 'host', 'host:port' or '[v6]:port'."""
+    if address.startswith("["):
+        return address[: address.index("]") + 1]
+    return address.split(":", 1)[0]
 
 
 def parse_address(address, where):

@@ -20,8 +20,9 @@ from absl import flags
 
 from tfscale import errors
 from tfscale import flags as tfscale_flags
+from tfscale._hosts import host_of
 from tfscale.cluster import TASK_TYPES, ClusterSpec
-from tfscale.launch import _jobfiles, _remote
+from tfscale.launch import jobfiles
 
 __all__ = ["define_flags", "main", "run"]
 
@@ -113,7 +114,7 @@ def _spec_from_hosts(fv):
             "--workers=node1,node2."
         )
     # A bare --chief / --evaluator goes on the first host, as tfscale-launch places it.
-    first = _remote.host_of(workers[0]) if workers else None
+    first = host_of(workers[0]) if workers else None
     chief = first if fv.chief is True else (fv.chief or None)
     evaluator = first if fv.evaluator is True else (fv.evaluator or None)
     return ClusterSpec.from_hosts(workers, chief, fv.ps, evaluator, fv.port)
@@ -157,10 +158,10 @@ def _write_job_files(fv):
     if not fv.tfjob:
         _forbid(fv, _TFJOB_FLAGS, "without --tfjob")
     _check_utf8(fv, ("command", "image", "partition", "time", "namespace", "job_name"))
-    command = _jobfiles.parse_command(fv.command)
+    command = jobfiles.parse_command(fv.command)
     texts = []
     if fv.sbatch:
-        script = _jobfiles.sbatch_script(
+        script = jobfiles.sbatch_script(
             command=command,
             nodes=fv.nodes,
             ntasks_per_node=fv.ntasks_per_node,
@@ -175,8 +176,8 @@ def _write_job_files(fv):
             raise _UsageError(
                 "Missing `--image` for --tfjob. Expected a container image with tfscale installed."
             )
-        replicas = _jobfiles.parse_replicas(fv.replicas)
-        manifest = _jobfiles.tfjob_manifest(
+        replicas = jobfiles.parse_replicas(fv.replicas)
+        manifest = jobfiles.tfjob_manifest(
             image=fv.image,
             command=command,
             replicas=replicas,
@@ -187,7 +188,7 @@ def _write_job_files(fv):
         texts.append((fv.tfjob, manifest, 0o644))
     # Everything is checked before the first file is written, and both files are written or neither.
     try:
-        _jobfiles.write_all_atomic(texts)
+        jobfiles.write_all_atomic(texts)
     except OSError as e:
         flag = "tfjob" if fv.tfjob and e.filename == fv.tfjob else "sbatch"
         raise _UsageError(

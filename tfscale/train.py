@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from absl import flags
 
-from tfscale import _quiet, errors
+from tfscale import _quiet, _task_protocol, errors
 from tfscale import flags as tfscale_flags
 from tfscale.errors import Error
 
@@ -222,8 +222,7 @@ def _profiler_callback(config):
 
 
 def _backup_callback(config, global_batch, elastic):
-    from tfscale.callbacks import BackupAndRestore
-    from tfscale.callbacks._elastic_backup import ElasticBackupAndRestore
+    from tfscale.callbacks import BackupAndRestore, ElasticBackupAndRestore
 
     if elastic is not None:  # backups made at another size resume here
         return ElasticBackupAndRestore(
@@ -263,7 +262,7 @@ def _fail_at_callback(step):
     # SIGKILL: no cleanup at all, the harshest fault a restart has to survive. Under
     # tfscale-launch only the first attempt fails, so that the restarted job replays the
     # step (from a backup before it) without failing again.
-    first_attempt = 0 if "TFSCALE_RESTART_COUNT" in os.environ else None
+    first_attempt = 0 if _task_protocol.RESTART_COUNT_VAR in os.environ else None
     return FailAt(step, mode="sigkill", restart_count=first_attempt)
 
 

@@ -41,6 +41,8 @@ import collections
 import enum
 import re
 
+from tfscale.strategies._errors import StrategyError
+
 __all__ = [
     "SCHEDULES",
     "Kind",
@@ -234,8 +236,18 @@ def order(schedule, num_stages, num_microbatches, virtual_stages=1):
         A list of S lists of `Op`, one list per device, in execution order.
     """
     if virtual_stages == 1:  # A schedule function written before V existed takes (S, M).
-        return SCHEDULES[schedule](num_stages, num_microbatches)
-    return SCHEDULES[schedule](num_stages, num_microbatches, virtual_stages)
+        return _registered(schedule)(num_stages, num_microbatches)
+    return _registered(schedule)(num_stages, num_microbatches, virtual_stages)
+
+
+def _registered(schedule):
+    """The `SCHEDULES` entry named `schedule`; a `StrategyError` naming the choices if none."""
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise StrategyError(
+            f"Unknown pipeline schedule. Received: schedule={schedule!r}. Expected one of "
+            f"{', '.join(sorted(SCHEDULES))}."
+        )
+    return SCHEDULES[schedule]
 
 
 def stage_devices(devices, num_stages):
@@ -245,11 +257,11 @@ def stage_devices(devices, num_stages):
     interleaved layout: each device holds V non-adjacent chunks of the chain).
 
     Raises:
-        ValueError: S is not a multiple of the number of devices.
+        StrategyError: S is not a multiple of the number of devices.
     """
     devices = list(devices)
-    if num_stages % len(devices):
-        raise ValueError(
+    if not devices or num_stages % len(devices):
+        raise StrategyError(
             f"{num_stages} stages cannot be spread evenly over {len(devices)} devices. "
             "Expected a number of stages that is a multiple of the number of devices."
         )
@@ -384,12 +396,12 @@ def theoretical_bubble(num_stages, num_microbatches, schedule="1f1b", virtual_st
     GPipe and 1F1B: (S - 1) / (M + S - 1); interleaved: (S - 1) / (V M + S - 1); ZB-H1 with
     t_F = t_B = t_W: (S - 1) / (3 M + S - 1).
     """
-    return SCHEDULES[schedule].bubble(num_stages, num_microbatches, virtual_stages)
+    return _registered(schedule).bubble(num_stages, num_microbatches, virtual_stages)
 
 
 def activation_bound(schedule, num_stages, num_microbatches, virtual_stages=1):
     """Per device, the most (chunk) micro-batches of activations the schedule keeps."""
-    bound = SCHEDULES[schedule].activation_bound
+    bound = _registered(schedule).activation_bound
     return [bound(num_stages, num_microbatches, virtual_stages, d) for d in range(num_stages)]
 
 
@@ -406,7 +418,7 @@ def simulate(orders, costs, virtual_stages=1):
         virtual_stages: V.
 
     Raises:
-        ValueError: the orders deadlock (an op waits for data no device will produce).
+        StrategyError: the orders deadlock (an op waits for data no device will produce).
     """
     num_chunks = len(orders) * virtual_stages
     done, clock, position = {}, [0.0] * len(orders), [0] * len(orders)
@@ -426,5 +438,5 @@ def simulate(orders, costs, virtual_stages=1):
                 progress = True
     stuck = [lane[p] for lane, p in zip(orders, position) if p < len(lane)]
     if stuck:
-        raise ValueError(f"The schedule deadlocks: {stuck[0]} waits for data that never comes.")
+        raise StrategyError(f"The schedule deadlocks: {stuck[0]} waits for data that never comes.")
     return done

@@ -16,10 +16,12 @@ import shutil
 import tempfile
 
 from tfscale.compat import tf_xplane
+from tfscale.errors import FAILED_RUN
+from tfscale.strategies._errors import StrategyError
 from tfscale.strategies.pipeline import schedules
 from tfscale.strategies.pipeline.schedules import Kind
 
-__all__ = ["PipelineTrace", "plot", "trace_train_step"]
+__all__ = ["PipelineTrace", "TraceError", "plot", "trace_train_step"]
 
 # Ops that compute nothing: a variable read runs as soon as the variable is free (it holds no
 # activation), sends/receives are added between devices by the partitioner. They are left out
@@ -27,6 +29,12 @@ __all__ = ["PipelineTrace", "plot", "trace_train_step"]
 _BOOKKEEPING = frozenset(
     ["ReadVariableOp", "_Send", "_Recv", "_HostSend", "_HostRecv", "Const", "NoOp", "Identity"]
 )
+
+
+class TraceError(StrategyError, RuntimeError):
+    """The profiler's trace of a pipelined step lacks some of its ops (the run, not the input, failed)."""
+
+    exit_status = FAILED_RUN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +91,20 @@ def trace_train_step(model, x, y, sample_weight=None):
 
     Returns:
         A `PipelineTrace`.
+
+    Raises:
+        StrategyError: `model` is not a compiled `PipelinedModel`.
+        TraceError: the profiler's trace lacks some of the step's ops.
     """
     import tensorflow as tf
+
+    if not all(hasattr(model, a) for a in ("virtual_stages", "num_microbatches", "schedule", "stages")) or (
+        getattr(model, "optimizer", None) is None
+    ):
+        raise StrategyError(
+            f"Invalid value for argument `model`. Received: model={type(model).__name__}. Expected a "
+            "compiled model built in a `PipelineStrategy` scope (a PipelinedModel)."
+        )
 
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
@@ -115,7 +135,7 @@ def _summarise(groups, ops, schedule, num_stages, num_microbatches, *, virtual_s
     split = any(op.kind == Kind.WEIGHT for op in expected)
     missing = {s for s in expected - set(groups) if not split or s.kind == Kind.FORWARD}
     if missing:
-        raise RuntimeError(f"The profiler trace lacks {len(missing)} pipeline step(s), e.g. {min(missing)}.")
+        raise TraceError(f"The profiler trace lacks {len(missing)} pipeline step(s), e.g. {min(missing)}.")
     groups = {s: groups[s] for s in expected if s in groups}
     origin = min(a for a, _ in groups.values())
     intervals = {s: ((a - origin) / 1e9, (b - origin) / 1e9) for s, (a, b) in groups.items()}

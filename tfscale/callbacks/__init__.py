@@ -1,5 +1,7 @@
 """Drop-in Keras callbacks for training that scales and survives faults."""
 
+from tfscale.callbacks._elastic_backup import ElasticBackupAndRestore
+from tfscale.callbacks._errors import CallbackError
 from tfscale.callbacks.backup_and_restore import (
     RESTART_EXIT_CODE,
     BackupAndRestore,
@@ -21,7 +23,9 @@ __all__ = [
     "BackupInUseError",
     "BackupMismatchError",
     "BackupWriteError",
+    "CallbackError",
     "CommunicationProfiler",
+    "ElasticBackupAndRestore",
     "FailAt",
     "InjectedFault",
     "LearningRateWarmup",

@@ -10,8 +10,9 @@ import keras
 import tensorflow as tf
 
 from tfscale.callbacks import _step_split
+from tfscale.callbacks._errors import CallbackError
 from tfscale.cluster import ClusterSpec
-from tfscale.compat import profiler_xplane, tf_barrier, tf_traceme_split
+from tfscale.compat import profiler_xplane, tf_barrier, tf_communication, tf_traceme_split
 
 __all__ = ["CommunicationProfiler"]
 
@@ -59,7 +60,7 @@ class CommunicationProfiler(keras.callbacks.Callback):
             to profile; profile after the first step so tracing is not counted.
 
     Raises:
-        ValueError: `profile_steps` is not two integers 1 <= first <= last.
+        CallbackError: `profile_steps` is not two integers 1 <= first <= last.
 
     Example:
 
@@ -76,7 +77,7 @@ class CommunicationProfiler(keras.callbacks.Callback):
             or any(isinstance(s, bool) or not isinstance(s, int) for s in steps)
             or not (1 <= steps[0] <= steps[1])
         ):
-            raise ValueError(
+            raise CallbackError(
                 "Invalid value for argument `profile_steps`. Received: "
                 f"profile_steps={profile_steps!r}. Expected (first, last) integers with 1 <= first <= last."
             )
@@ -200,11 +201,9 @@ def _gradient_bytes_per_step(model, strategy):
     accumulation steps k: `tests/test_communication.py` checks the traced all-reduce
     sends exactly that, `tests/test_compat_profiler_xplane.py` that it runs once per k.
     """
-    from tfscale.strategies import _communication
-
     if strategy.num_replicas_in_sync < 2:
         return 0
-    compressed = _communication.COMPRESSIONS[_communication.of(strategy).gradient_compression]
+    compressed = tf_communication.compression_dtype(strategy)
     size = sum(
         v.shape.num_elements() * (compressed or tf.as_dtype(v.dtype)).size for v in model.trainable_variables
     )

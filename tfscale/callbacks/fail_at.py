@@ -6,6 +6,7 @@ import sys
 
 import keras
 
+from tfscale import _task_protocol
 from tfscale.callbacks import _backup_cluster
 from tfscale.errors import Error
 
@@ -73,7 +74,7 @@ class FailAt(keras.callbacks.Callback):
 
     def _here(self):
         if self.restart_count is not None:
-            if int(os.environ.get("TFSCALE_RESTART_COUNT", "0")) != self.restart_count:
+            if _task_protocol.restart_count() != self.restart_count:
                 return False
         if self.task is None:
             return True

@@ -2,6 +2,8 @@
 
 import keras
 
+from tfscale.callbacks._errors import CallbackError
+
 __all__ = ["LearningRateWarmup"]
 
 
@@ -24,6 +26,10 @@ class LearningRateWarmup(keras.callbacks.Callback):
         initial_lr: rate of the first step's ramp origin; default `learning_rate`
             (so with `scale=1` and a warmup, pass e.g. 0.0 to ramp up from zero).
 
+    Raises:
+        CallbackError: a rate, `scale` or `warmup_epochs` that is not a number in range, a
+            `steps_per_epoch` that is not a positive integer.
+
     Example:
 
     >>> warmup = LearningRateWarmup(0.1, warmup_epochs=5, steps_per_epoch=100,
@@ -33,23 +39,25 @@ class LearningRateWarmup(keras.callbacks.Callback):
 
     def __init__(self, learning_rate, warmup_epochs, steps_per_epoch, scale=1, initial_lr=None):
         super().__init__()
-        for name, value, low in (
-            ("learning_rate", learning_rate, 0.0),
-            ("warmup_epochs", warmup_epochs, 0.0),
-            ("scale", scale, 0.0),
+        for name, value, may_be_zero in (
+            ("learning_rate", learning_rate, False),
+            ("warmup_epochs", warmup_epochs, True),
+            ("scale", scale, False),
+            ("initial_lr", 0.0 if initial_lr is None else initial_lr, True),
         ):
             if (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
-                or value < low
-                or (name != "warmup_epochs" and value == low)
+                or not value < float("inf")  # nan and inf too
+                or value < 0.0
+                or (not may_be_zero and value == 0.0)
             ):
-                raise ValueError(
+                raise CallbackError(
                     f"Invalid value for argument `{name}`. Received: {name}={value!r}. Expected a "
-                    f"{'non-negative' if name == 'warmup_epochs' else 'positive'} number."
+                    f"{'non-negative' if may_be_zero else 'positive'} finite number."
                 )
         if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
-            raise ValueError(
+            raise CallbackError(
                 f"Invalid value for argument `steps_per_epoch`. Received: "
                 f"steps_per_epoch={steps_per_epoch!r}. Expected a positive integer."
             )

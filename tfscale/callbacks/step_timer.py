@@ -4,6 +4,8 @@ import time
 
 import keras
 
+from tfscale.callbacks._errors import CallbackError
+
 __all__ = ["StepTimer"]
 
 
@@ -22,6 +24,9 @@ class StepTimer(keras.callbacks.Callback):
         num_replicas: replicas in sync (`strategy.num_replicas_in_sync`).
         steps_per_execution: steps per batch callback (the model's `steps_per_execution`).
 
+    Raises:
+        CallbackError: an argument is not a positive integer.
+
     Example:
 
     >>> timer = StepTimer(global_batch_size=256, num_replicas=strategy.num_replicas_in_sync)
@@ -37,7 +42,7 @@ class StepTimer(keras.callbacks.Callback):
             ("steps_per_execution", steps_per_execution),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
+                raise CallbackError(
                     f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
                     "Expected a positive integer."
                 )

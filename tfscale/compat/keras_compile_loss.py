@@ -15,6 +15,8 @@ Gate: `available(model)`; `tests/test_compat_strategies.py` fails when either at
 changes name or meaning.
 """
 
+from tfscale.compat._errors import UnsupportedVersionError
+
 __all__ = ["available", "compiled_loss", "update_loss_tracker"]
 
 
@@ -26,7 +28,7 @@ def available(model):
 def compiled_loss(model):
     """The `CompileLoss` of a compiled model (None if compiled without `loss`)."""
     if not available(model):
-        raise RuntimeError(
+        raise UnsupportedVersionError(
             "This Keras version has no `Model._compile_loss` / `_loss_tracker` (checked on "
             "Keras 3.0-3.15); tfscale.compat.keras_compile_loss needs updating."
         )

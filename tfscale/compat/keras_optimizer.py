@@ -23,7 +23,7 @@ The fix, applied only where those private methods exist unfixed (`needed()`):
 gradients are all-reduced first, in replica context, by launching the strategy's own
 collective ops directly (`CollectiveAllReduce._all_reduce`, the path TensorFlow
 itself takes when `merge_call` is disabled), with the strategy's `Communication`
-options (see `tfscale.strategies._communication`). Everything after that (clip,
+options (read through `tfscale.compat.tf_communication`). Everything after that (clip,
 weight decay, `update_step`, EMA) runs on identical values on every replica and
 updates only the replica's own copy of each variable (Keras creates model and slot
 variables with aggregation NONE, which TensorFlow updates locally in replica
@@ -41,6 +41,7 @@ import keras
 import tensorflow as tf
 
 from tfscale.compat import keras_optimizer_zero as zero
+from tfscale.compat import tf_communication
 from tfscale.compat.keras_multi_worker import _version_tuple
 
 __all__ = ["apply", "is_applied", "needed"]
@@ -99,10 +100,7 @@ def _launch(strategy, values, options):
 
 
 def _options(strategy):
-    from tfscale.strategies import _communication
-
-    communication = _communication.of(strategy)
-    return communication, strategy.extended._communication_options.merge(communication.options())
+    return tf_communication.compression_dtype(strategy), tf_communication.options(strategy)
 
 
 def _zero_step(optimizer):
@@ -114,8 +112,7 @@ def _zero_step(optimizer):
 def all_reduce_sum(grads):
     """SUM-all-reduces `grads` (no None) across replicas with the strategy's options."""
     strategy = tf.distribute.get_strategy()
-    communication, options = _options(strategy)
-    wire = communication.compression_dtype
+    wire, options = _options(strategy)
     grads = list(grads)
     dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
     if wire is None or not dense:

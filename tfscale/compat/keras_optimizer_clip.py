@@ -18,6 +18,8 @@ changes name or role (tensor split with clipnorm then differs from one device).
 
 import tensorflow as tf
 
+from tfscale.compat._errors import UnsupportedVersionError
+
 __all__ = ["clip_norm_by_groups"]
 
 _MARK = "_tfscale_clip_groups"
@@ -40,7 +42,7 @@ def clip_norm_by_groups(optimizer, group_of):
         object.__setattr__(optimizer, _MARK, group_of)
         return
     if not (hasattr(optimizer, "_backend_apply_gradients") and hasattr(optimizer, "_clip_gradients")):
-        raise RuntimeError(
+        raise UnsupportedVersionError(
             "This Keras optimizer has no `_backend_apply_gradients` / `_clip_gradients` (checked "
             "on Keras 3.0-3.15); tfscale.compat.keras_optimizer_clip needs updating."
         )

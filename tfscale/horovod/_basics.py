@@ -146,12 +146,11 @@ def _pin_local_gpu(identity):
 def _connect(spec, cluster_timeout):
     from tfscale import strategies
     from tfscale.compat import tf_collectives
-    from tfscale.strategies._peers import DEFAULT_CLUSTER_TIMEOUT, ClusterTimeoutError
 
-    timeout = DEFAULT_CLUSTER_TIMEOUT if cluster_timeout is None else cluster_timeout
+    timeout = strategies.DEFAULT_CLUSTER_TIMEOUT if cluster_timeout is None else cluster_timeout
     try:
         strategy = strategies.get("multi_worker", cluster=spec, cluster_timeout=timeout)
-    except ClusterTimeoutError as e:
+    except strategies.ClusterTimeoutError as e:
         raise _start_timeout_error(spec, timeout, e.missing) from None
     if not tf_collectives.supported(strategy):
         raise HorovodError(

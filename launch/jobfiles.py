@@ -1,6 +1,7 @@
 """Job files for a cluster: a Slurm sbatch script and a Kubeflow TFJob manifest.
 
-Starting a job is the launcher's concern, so they live here; `tfscale-tfconfig` writes them.
+Starting a job is the launcher's concern, so they live here; `tfscale-tfconfig` (a binary, a
+layer above) writes them through this public module.
 
 Both are plain text built here without extra dependencies (the YAML uses JSON-quoted
 scalars, which every YAML parser reads) and written atomically: a temporary file in

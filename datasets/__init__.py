@@ -3,8 +3,8 @@
     ds = tfscale.datasets.load("digits", "train", global_batch_size=64, strategy=strategy)
     model.fit(ds, epochs=5)
 
-Names: "digits" (bundled UCI handwritten digits, no network), "tfds:NAME[/CONFIG][:VERSION]"
-(any TFDS dataset already prepared in `data_dir`), "synthetic:..." (benchmarks).
+Names: `"digits"` (bundled UCI handwritten digits, no network), `"tfds:NAME[/CONFIG][:VERSION]"`
+(any TFDS dataset already prepared in `data_dir`), `"synthetic:..."` (benchmarks).
 """
 
 from tfscale.datasets._errors import DatasetError, UnknownSplitError

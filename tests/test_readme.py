@@ -1,11 +1,13 @@
-"""Every code block of README.md, run as written in a fresh process (or listed below with why not).
+"""Every code block of README.md and of the site's pages (docs/*.md), run as written in a fresh
+process (or listed below with why not).
 
-`SNIPPETS` is the fixture: for each block (found by a line it contains) what it needs that
-the README leaves to the reader -- names defined before it (`setup`), files in its working
+`SNIPPETS` is the fixture: for each block (found by a line it contains, on its `page`) what it
+needs that the page leaves to the reader -- names defined before it (`setup`), files in its working
 directory, stand-ins for programs that do not exist here (`sbatch`, `kubectl`, `ssh`,
 `srun`), and `fill`: placeholders such as `[...]` replaced by a concrete value. The block's
-text itself is never edited here: a README change that breaks an example fails its test,
-and a block that is not in the table fails `test_every_block_is_in_the_table`.
+text itself is never edited here: a page change that breaks an example fails its test, and a
+block that is not in the table fails `test_every_block_is_in_the_table`. docs/pending/ is not
+part of the site and is not checked.
 """
 
 import dataclasses
@@ -19,7 +21,8 @@ from typing import Optional
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-README = REPO / "README.md"
+# README first, then the site's pages (docs/pending/ is not built, so not listed).
+PAGES = ("README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")))
 BIN = Path(sys.executable).parent  # the venv's bin: tfscale-*, python, pytest
 
 
@@ -30,9 +33,9 @@ class Block:
     text: str
 
 
-def readme_blocks(text=None):
-    """The fenced code blocks of README.md, in order."""
-    lines = (README.read_text() if text is None else text).splitlines()
+def readme_blocks(text=None, page="README.md"):
+    """The fenced code blocks of `text` (default: the file `page`), in order."""
+    lines = ((REPO / page).read_text() if text is None else text).splitlines()
     blocks, start = [], None
     for i, line in enumerate(lines):
         if line.startswith("```"):
@@ -49,6 +52,7 @@ class Snippet:
     """How to run the block(s) that contain `key` (a `then` block runs in the same process/script)."""
 
     key: str
+    page: str = "README.md"  # where the block is: README.md or docs/NAME.md
     run: str = "python"  # "python", "sh", or "skip" (with `why`)
     why: str = ""
     setup: str = ""  # Python run before the block (python), or files written first (see `files`)
@@ -61,9 +65,10 @@ class Snippet:
     env: tuple = ()
     marks: tuple = ()
     timeout: int = 300
+    same_as: Optional[tuple] = None  # (page, key): a skipped copy of a block run there, kept equal
 
 
-# No TensorFlow op runs here: the README's flows call `tfscale.strategies.get` first (it may
+# No TensorFlow op runs here: the pages' flows call `tfscale.strategies.get` first (it may
 # still split the CPU), so a block given a ready `model` is filled with `make_model()`.
 _MODEL = """
 import keras, numpy as np
@@ -114,6 +119,7 @@ SNIPPETS = [
     ),
     Snippet(
         'strategy = tfscale.strategies.get("auto")          # or',
+        page="docs/strategies.md",
         setup="import tensorflow as tf\n"
         "dataset = tf.data.Dataset.from_tensor_slices(([[1.0, 2.0]] * 64, [[3.0]] * 64)).batch(16)\n",
         fill=(
@@ -123,29 +129,51 @@ SNIPPETS = [
     ),
     Snippet(
         "from tfscale.cluster import ClusterSpec, ClusterSpecError",
+        page="docs/cluster.md",
         setup='text_or_dict = \'{"cluster": {"worker": ["a:2222", "b:2222"]}}\'\n',
         env=(("TF_CONFIG", '{"cluster": {"worker": ["a:2222"]}, "task": {"type": "worker", "index": 0}}'),),
         then=('ClusterSpec.from_hosts(workers=["10.0.0.1"',),
     ),
-    Snippet('ClusterSpec.from_hosts(workers=["10.0.0.1"', run="skip", why="runs after the block above"),
     Snippet(
-        "node2 slots=4   # same GPUs", run="skip", why="a hostfile: written as `hosts` for the block after it"
+        'ClusterSpec.from_hosts(workers=["10.0.0.1"',
+        page="docs/cluster.md",
+        run="skip",
+        why="runs after the block above",
+    ),
+    Snippet(
+        "node2 slots=4   # same GPUs",
+        page="docs/cluster.md",
+        run="skip",
+        why="a hostfile: written as `hosts` for the block after it",
     ),
     Snippet(
         "tfscale-tfconfig --from=hostfile --hostfile=hosts",
+        page="docs/cluster.md",
         run="sh",
         file_from=("node2 slots=4   # same GPUs", "hosts"),
         check=r"\A(\{\"cluster\".*\n){8}\Z",  # "8 lines, one TF_CONFIG each"
     ),
-    Snippet("tfscale-tfconfig --sbatch=train.sbatch", run="sh", files=(("bin/sbatch", _SBATCH),)),
-    Snippet("tfscale-tfconfig --tfjob=train.yaml", run="sh", files=(("bin/kubectl", _KUBECTL),)),
+    Snippet(
+        "tfscale-tfconfig --sbatch=train.sbatch",
+        page="docs/cluster.md",
+        run="sh",
+        files=(("bin/sbatch", _SBATCH),),
+    ),
+    Snippet(
+        "tfscale-tfconfig --tfjob=train.yaml",
+        page="docs/cluster.md",
+        run="sh",
+        files=(("bin/kubectl", _KUBECTL),),
+    ),
     Snippet(
         'backup = tfscale.callbacks.BackupAndRestore("/shared/run1/backup"',
+        page="docs/backups.md",
         setup=_MODEL,
         fill=(('"/shared/run1/backup"', '"run1/backup"'),),
     ),
     Snippet(
         "tfscale-launch --num_workers 2 -- python train.py                      # 2 workers",
+        page="docs/launch.md",
         run="sh",
         files=(
             ("train.py", _TRAIN_PY),
@@ -158,7 +186,7 @@ SNIPPETS = [
         # main.py unchanged under `tfscale-launch --num_workers 2 --keras_compat`, is run and
         # checked further (every worker's weights, the fixes applied, 3 epochs) by
         # tests/test_launch_training.py::test_tutorial_main_runs_unchanged_on_2_workers_with_keras_compat.
-        # The fill fails here if the README line changes, so the two stay the same command.
+        # The fill fails here if the page's line changes, so the two stay the same command.
         fill=(
             (
                 "cd examples/multi_worker_tutorial && "
@@ -168,7 +196,16 @@ SNIPPETS = [
         ),
         env=_SLURM_ENV,
     ),
-    Snippet("worker:1 failed (signal SIGKILL) in attempt 1", run="skip", why="example output"),
+    Snippet(
+        "worker:1 failed (signal SIGKILL) in attempt 1",
+        page="docs/launch.md",
+        run="skip",
+        why="example output",
+    ),
+    Snippet(
+        'strategy = tfscale.strategies.get("auto", cpu_replicas=2)',
+        check=r"Epoch 2/2",
+    ),
     Snippet(
         "tfscale-train                       # no flags",
         run="sh",
@@ -176,7 +213,56 @@ SNIPPETS = [
     ),
     Snippet(_TRAIN_OUTPUT_KEY, run="skip", why="the output the block above is checked against"),
     Snippet(
+        "tfscale-train                       # no flags",
+        page="docs/train.md",
+        run="skip",
+        why="the README's tfscale-train example, run and checked there",
+        same_as=("README.md", "tfscale-train                       # no flags"),
+    ),
+    Snippet(
+        _TRAIN_OUTPUT_KEY,
+        page="docs/train.md",
+        run="skip",
+        why="the README's output of that example, checked there",
+        same_as=("README.md", _TRAIN_OUTPUT_KEY),
+    ),
+    Snippet(
+        "--max_restarts 1 -- python train.py   # 2 workers on loopback",
+        run="sh",
+        files=(("train.py", _TRAIN_PY),),
+        # Both tasks ran, each with its own TF_CONFIG: the stand-in prints the task it was given.
+        check=r"(?s)(?=.*'type': 'worker', 'index': 0\})(?=.*'type': 'worker', 'index': 1\})",
+    ),
+    Snippet('tfscale.strategies.get("mirrored", cpu_replicas=2, zero_stage=', page="docs/zero.md"),
+    # Run as written on one rank (size 1) here; the launch line below runs it on two.
+    Snippet("import tfscale.horovod as hvd  # was:", page="docs/horovod.md", check=r"Epoch 2/2"),
+    Snippet(
+        "tfscale-launch -np 2 python train.py",
+        page="docs/horovod.md",
+        run="sh",
+        file_from=("import tfscale.horovod as hvd  # was:", "train.py"),
+        check=r"\[worker:0\] Epoch 2/2",  # rank 0 prints; the job fails if either rank fails
+        marks=(pytest.mark.slow,),  # a 2-process cluster: ~30 s
+    ),
+    Snippet(
+        "tfscale-train --strategy=mirored",
+        page="docs/reliability.md",
+        run="sh",
+        expect_error="tfscale-train: error:",
+    ),
+    Snippet(
+        "python bench/bench_scaling.py --quick",
+        page="docs/benchmarks.md",
+        run="skip",
+        why="a bench script, run by hand (minutes, not a test): its figures are this page's scaling table",
+    ),
+    Snippet(
+        "tfscale.compat.apply_multi_worker_fixes()          # once",
+        page="docs/keras-multi-worker.md",
+    ),
+    Snippet(
         "tfscale-train --flagfile=flagfiles/one_device.cfg",
+        page="docs/train.md",
         run="skip",
         # Running the block here took 68 s of CI for nothing more than those tests check.
         why="its first three commands run as written, results compared, in "
@@ -186,6 +272,7 @@ SNIPPETS = [
     ),
     Snippet(
         'ds = tfscale.datasets.load("digits", "train", global_batch_size=64',
+        page="docs/train.md",
         setup="import keras, tfscale, tfscale.models\nstrategy = tfscale.strategies.get('auto')\n"
         "with strategy.scope():\n    model = tfscale.models.build('mlp', (8, 8, 1), 10)\n"
         "    model.compile('adam', keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n",
@@ -197,27 +284,37 @@ SNIPPETS = [
     ),
     Snippet(
         'num_stages=2, num_microbatches=8, schedule="1f1b"',
+        page="docs/pipeline.md",
         setup=_MODEL,
         fill=(("strategy.split(model)", "strategy.split(make_model())"),),
     ),
     Snippet(
         'strategy = tfscale.strategies.get("model_split", num_devices=2)',
+        page="docs/model-split.md",
         setup=_MODEL,
         fill=(("strategy.split(model)", "strategy.split(make_model())"),),
     ),
     Snippet(
         "--data_parallel=2 --cpu_replicas=4 --global_batch_size=32 --epochs=3 --plan_report",
+        page="docs/hybrid.md",
         run="skip",
         why="tests/test_train_model_parallel.py trains these flags in process (a binary costs 15-20 s)",
     ),
-    Snippet("plan: S=2 M=4 D=2, micro-batch 4 samples", run="skip", why="sample output of the block above"),
+    Snippet(
+        "plan: S=2 M=4 D=2, micro-batch 4 samples",
+        page="docs/hybrid.md",
+        run="skip",
+        why="sample output of the block above",
+    ),
     Snippet(
         "num_microbatches=4, data_parallel=2)",
+        page="docs/hybrid.md",
         setup=_MODEL + "import tfscale\n",
         fill=(("split(model)", "split(make_model())"),),
     ),
     Snippet(
         "from tfscale.launch.elastic import elastic_batch",
+        page="docs/launch.md",
         # `build_model` is the reader's; this one reads the block's `lr` when called.
         setup="import keras, tfscale.models\n"
         "def build_model():\n"
@@ -230,51 +327,89 @@ SNIPPETS = [
     ),
     Snippet(
         "--num_workers 2:4 --max_restarts 5 --host_discovery",
+        page="docs/launch.md",
         run="skip",
         why="an elastic 2-4 worker job around the recipe above (tests/test_elastic.py runs this path)",
     ),
-    Snippet('gradient_compression="fp16",  # or "bf16", None', setup="import tfscale\n"),
+    Snippet(
+        'gradient_compression="fp16",  # or "bf16", None', page="docs/optimizers.md", setup="import tfscale\n"
+    ),
     Snippet(
         "--num_workers 2:4 --max_restarts 3 -- tfscale-train",
+        page="docs/launch.md",
         run="skip",
         why="elastic jobs on 2-4 workers and on hosts node1/node2: tests/test_elastic.py runs both paths",
     ),
-    Snippet("elastic: running at 3 workers (start)", run="skip", why="sample launcher output"),
+    Snippet(
+        "elastic: running at 3 workers (start)",
+        page="docs/launch.md",
+        run="skip",
+        why="sample launcher output",
+    ),
     Snippet(
         "--profile_steps=5:12 --model_dir=run",
+        page="docs/optimizers.md",
         run="sh",
         check=r"communication-local\.json\ncommunication\.png\nlocal\ntrace-local\.json\.gz",
     ),
-    Snippet("errors.py        tfscale.Error(ValueError)", run="skip", why="the repository layout, not code"),
+    Snippet(
+        "errors.py        tfscale.Error(ValueError)",
+        page="docs/layout.md",
+        run="skip",
+        why="the repository layout, not code",
+    ),
 ]
 
 
-def _find(key, blocks):
+def _find(key, blocks, page="README.md"):
     found = [b for b in blocks if key in b.text]
-    assert len(found) == 1, f"{len(found)} README blocks contain {key!r}: update SNIPPETS"
+    assert len(found) == 1, f"{len(found)} blocks of {page} contain {key!r}: update SNIPPETS"
     return found[0]
 
 
-def test_every_block_is_in_the_table():
-    blocks = readme_blocks()
-    covered = {_find(s.key, blocks).line for s in SNIPPETS}
-    missing = [f"line {b.line}: {b.text.splitlines()[0]}" for b in blocks if b.line not in covered]
-    assert not missing, f"README blocks with no entry in SNIPPETS: {missing}"
-
-
-# The site's pages (docs/*.md; docs/pending/ is not built and not checked). Their blocks are
-# not run yet: until a page's blocks have SNIPPETS-style entries, a page may hold none. To add
-# a page: write docs/NAME.md, add a nav line in mkdocs.yml, and give each of its code blocks an
-# entry here (page name -> keys, each found in exactly one block of the page).
-DOCS_SNIPPETS = {}
-
-
-@pytest.mark.parametrize("page", sorted(p.name for p in (REPO / "docs").glob("*.md")))
-def test_every_docs_block_is_in_the_table(page):
-    blocks = readme_blocks((REPO / "docs" / page).read_text())
-    covered = {_find(key, blocks).line for key in DOCS_SNIPPETS.get(page, ())}
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_is_in_the_table(page):
+    blocks = readme_blocks(page=page)
+    covered = {_find(s.key, blocks, page).line for s in SNIPPETS if s.page == page}
     missing = [f"{page} line {b.line}: {b.text.splitlines()[0]}" for b in blocks if b.line not in covered]
-    assert not missing, f"docs blocks with no entry in DOCS_SNIPPETS: {missing}"
+    assert not missing, f"blocks with no entry in SNIPPETS: {missing}"
+
+
+def _slug(heading):
+    """The anchor MkDocs gives a heading (its default `toc` slugify, for the headings we write)."""
+    text = re.sub(r"[^\w\s-]", "", heading.strip().lower())
+    return re.sub(r"[\s]+", "-", text)
+
+
+def test_readme_links_point_to_pages_and_headings_that_exist():
+    # mkdocs build --strict checks the site's links; the README is not part of the site.
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", (REPO / "README.md").read_text()):
+        if "://" in target:
+            continue
+        path, _, anchor = target.partition("#")
+        if not (REPO / path).is_file():
+            broken.append(target)
+        elif anchor:
+            headings = re.findall(r"^#+ (.*)$", (REPO / path).read_text(), re.MULTILINE)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(target)
+    assert not broken, f"README links to missing files or headings: {broken}"
+
+
+def test_every_entry_names_a_site_page():
+    assert not [s.key for s in SNIPPETS if s.page not in PAGES]
+
+
+@pytest.mark.parametrize(
+    "snippet", [s for s in SNIPPETS if s.same_as], ids=lambda s: f"{s.page}:{s.key[:30]}"
+)
+def test_copies_stay_equal_to_the_block_that_runs(snippet):
+    page, key = snippet.same_as
+    run = {(s.page, s.key) for s in _RUN} | {(s.page, k) for s in _RUN for k in s.then}
+    assert (page, key) in run, f"{page}'s block {key!r} is not run: the copy is checked by nothing"
+    copy = _find(snippet.key, readme_blocks(page=snippet.page), snippet.page).text
+    assert copy == _find(key, readme_blocks(page=page), page).text, f"{snippet.page} differs from {page}"
 
 
 def test_finds_blocks_by_fence():
@@ -285,7 +420,9 @@ def test_finds_blocks_by_fence():
 def _filled(snippet, block):
     text = block.text
     for placeholder, value in snippet.fill:
-        assert placeholder in text, f"placeholder {placeholder!r} is no longer in README line {block.line}"
+        assert placeholder in text, (
+            f"placeholder {placeholder!r} is no longer in {snippet.page} line {block.line}"
+        )
         text = text.replace(placeholder, value)
     return text
 
@@ -299,16 +436,16 @@ def _workdir(tmp_path, snippet, blocks):
             path.chmod(0o755)
     if snippet.file_from:
         key, name = snippet.file_from
-        (tmp_path / name).write_text(_find(key, blocks).text)
-    for shared in ("flagfiles", "examples"):  # the README's relative paths, from a clone's root
+        (tmp_path / name).write_text(_find(key, blocks, snippet.page).text)
+    for shared in ("flagfiles", "examples"):  # the pages' relative paths, from a clone's root
         (tmp_path / shared).symlink_to(REPO / shared)
 
 
 def _run(snippet, tmp_path, data_dir):
-    blocks = readme_blocks()
-    block = _find(snippet.key, blocks)
+    blocks = readme_blocks(page=snippet.page)
+    block = _find(snippet.key, blocks, snippet.page)
     _workdir(tmp_path, snippet, blocks)
-    followers = [_find(k, blocks) for k in snippet.then]
+    followers = [_find(k, blocks, snippet.page) for k in snippet.then]
     env = {
         **os.environ,
         "PATH": f"{tmp_path / 'bin'}:{BIN}:{os.environ['PATH']}",
@@ -331,7 +468,7 @@ def _run(snippet, tmp_path, data_dir):
     if snippet.expect_error:
         assert run.returncode != 0 and snippet.expect_error in output, output[-3000:]
         return output
-    assert run.returncode == 0, f"README line {block.line} failed:\n{output[-5000:]}"
+    assert run.returncode == 0, f"{snippet.page} line {block.line} failed:\n{output[-5000:]}"
     if snippet.check:
         assert re.search(snippet.check, run.stdout + run.stderr), output[-3000:]
     for follower in followers:
@@ -358,14 +495,14 @@ def _assert_shows(expected, output):
         pattern = re.compile(_line_pattern(want))
         while at < len(lines) and not pattern.match(lines[at]):
             at += 1
-        assert at < len(lines), f"README shows {want!r}; not in the output (in order):\n{output[-3000:]}"
+        assert at < len(lines), f"the page shows {want!r}; not in the output (in order):\n{output[-3000:]}"
         at += 1
 
 
 def test_output_check_matches_numbers_not_words():
     shown = "trained 10 epochs x 24 steps in 3.2 s\ntfscale-train-result: {...the same as JSON...}\n"
     _assert_shows(shown, 'x\ntrained 9 epochs x 24 steps in 12.25 s\ntfscale-train-result: {"a": 1}\n')
-    with pytest.raises(AssertionError, match="README shows"):
+    with pytest.raises(AssertionError, match="page shows"):
         _assert_shows(shown, "trained 9 epochs of 24 steps in 12.25 s\n")
 
 
@@ -379,7 +516,12 @@ _RUN = [s for s in SNIPPETS if s.run != "skip"]
 
 @pytest.mark.parametrize(
     "snippet",
-    [pytest.param(s, id=f"{s.run}:{re.sub(r'[^A-Za-z0-9]+', '_', s.key)[:40]}", marks=s.marks) for s in _RUN],
+    [
+        pytest.param(
+            s, id=f"{Path(s.page).stem}:{s.run}:{re.sub(r'[^A-Za-z0-9]+', '_', s.key)[:40]}", marks=s.marks
+        )
+        for s in _RUN
+    ],
 )
 def test_readme_block_runs_as_written(snippet, tmp_path, data_dir):
     _run(snippet, tmp_path, data_dir)

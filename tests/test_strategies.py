@@ -163,14 +163,14 @@ def test_auto_rejects_a_malformed_tf_config_instead_of_guessing():
         get("auto")
 
 
-def test_strategy_names_are_one_registry_in_the_readme_and_the_flags():
+def test_strategy_names_are_one_registry_in_the_docs_and_the_flags():
     import os
     import re
 
     import tfscale.flags
 
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-    with open(readme) as f:
+    page = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "strategies.md")
+    with open(page) as f:
         table = re.findall(r'^\| `"(\w+)"` \|', f.read(), re.MULTILINE)
     assert table == list(tfscale.strategies.NAMES)
     # --strategy offers every name; tfscale-train splits the model for the last two.

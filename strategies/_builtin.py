@@ -12,7 +12,7 @@ import tensorflow as tf
 from tfscale._auto import choose as _choose_auto
 from tfscale._auto import tpu_named as _tpu_named
 from tfscale.cluster import ClusterSpec
-from tfscale.compat import collective_keys, keras_multi_worker, keras_optimizer
+from tfscale.compat import collective_keys, keras_multi_worker, keras_optimizer, tf_custom_gradient
 from tfscale.strategies import _communication, _zero
 from tfscale.strategies._devices import (
     cpu_device_names,
@@ -378,4 +378,7 @@ def get(name="auto", *, cluster=None, **options):
         options["cluster"] = _cluster(cluster)
     elif cluster is not None:
         _cluster(cluster)  # Checked for every name, used by the ones that run in a cluster.
+    # Each traced train step would otherwise keep its graph for the process's life (TF's
+    # custom-gradient registry; see there): a notebook or a sweep training model after model.
+    tf_custom_gradient.release_with_graph()
     return builder(**options)

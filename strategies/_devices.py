@@ -11,6 +11,7 @@ process can create a pipeline or model-split strategy on CPU with default device
 
 import tensorflow as tf
 
+from tfscale.compat import tf_custom_gradient
 from tfscale.strategies._errors import StrategyError
 
 __all__ = [
@@ -67,6 +68,7 @@ def split_cpu(num_devices):
             f"Invalid value for argument `cpu_replicas`. Received: "
             f"cpu_replicas={num_devices!r}. Expected a positive integer."
         )
+    tf_custom_gradient.release_with_graph()  # as strategies.get does (see there)
     physical = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(physical)
     have = len(current) if current else 1

@@ -179,3 +179,52 @@ def test_the_traceme_split_gate_is_closed_on_the_checked_tensorflow():
         assert tf_traceme_split.every_worker_can_trace("2.21.0") is False
         assert tf_traceme_split.every_worker_can_trace("2.22.1") is True
         assert tf_traceme_split.may_trace(multi_worker=True, collective_leader=False, version="2.22.0")
+
+
+# --- compat.tf_custom_gradient: a traced custom gradient no longer pins its graph --------------
+
+
+def _custom_gradient_entries():
+    from tensorflow.python.framework import ops
+
+    return {k for k in ops._gradient_registry._registry if k.startswith("CustomGradient-")}
+
+
+def _fit_once_and_forget():
+    """A plain Keras fit (one device): its traced step registers TF's all_reduce custom gradient."""
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile("adam", "mse")
+    model.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=4, verbose=0)
+
+
+def test_a_traced_custom_gradient_is_released_with_its_graph_and_still_differentiates():
+    import gc
+
+    from tfscale.compat import tf_custom_gradient
+
+    assert tf_custom_gradient.release_with_graph() and tf_custom_gradient.release_with_graph()
+    before = _custom_gradient_entries()
+    for _ in range(3):
+        _fit_once_and_forget()
+    gc.collect()
+    # Without the fix each fit leaves its entries (and with them its whole traced graph).
+    assert _custom_gradient_entries() - before == set()
+
+    # While its graph lives the gradient is found and is the custom one, also when the
+    # backward pass is built after the trace ended (an outer tape over a tf.function call).
+    @tf.custom_gradient
+    def scaled(x):
+        return tf.identity(x), lambda dy: 10.0 * dy
+
+    f = tf.function(lambda x: scaled(x) * 2.0)
+    x = tf.constant([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = f(x)
+    assert np.allclose(tape.gradient(y, x).numpy(), [20.0, 20.0])
+    assert len(_custom_gradient_entries() - before) == 1  # f's graph is alive: its entry too
+    del f, y, tape
+    gc.collect()
+    assert _custom_gradient_entries() - before == set()

@@ -46,3 +46,37 @@ def test_no_workaround_in_tests(rule):
 
 def test_no_sleep_in_the_profiler():
     assert _hits([os.path.join(ROOT, p) for p in PROFILER], r"\bsle" + r"ep\(") == []
+
+
+_DYING_WORKER = """
+import os, time, pytest
+
+@pytest.mark.xdist_group("dies")
+@pytest.mark.parametrize("i", range(6))
+def test_dies(i):
+    time.sleep(0.3)
+    if i == 2:
+        os.abort()  # a worker killed by a signal, as TensorFlow's crashes kill it
+
+@pytest.mark.xdist_group("lives")
+@pytest.mark.parametrize("i", range(6))
+def test_lives(i):
+    time.sleep(0.5)
+"""
+
+
+def test_a_worker_that_dies_fails_the_run_at_once(tmp_path):
+    """README's `pytest -n 2` with this project's options: a dead worker ends the run, red, naming
+    the test. (pytest-xdist's default restarts it, and under loadgroup that run never ended.)"""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_dying.py").write_text(_DYING_WORKER)
+    command = [sys.executable, "-m", "pytest", "-c", os.path.join(ROOT, "pyproject.toml"),
+               "--rootdir", str(tmp_path), "-n", "2", "-p", "no:cacheprovider", str(tmp_path)]  # fmt: skip
+    try:
+        run = subprocess.run(command, check=False, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a run with a dead worker did not end within 120 s")
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "crashed while running 'test_dying.py::test_dies[2]'" in run.stdout, run.stdout[-2000:]

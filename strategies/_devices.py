@@ -68,7 +68,9 @@ def split_cpu(num_devices):
             f"Invalid value for argument `cpu_replicas`. Received: "
             f"cpu_replicas={num_devices!r}. Expected a positive integer."
         )
-    tf_custom_gradient.release_with_graph()  # as strategies.get does (see there)
+    # As strategies.get does (see there); here too because a process that splits its CPU
+    # (the test suite, the CPU examples) often trains plain Keras models before any get().
+    tf_custom_gradient.release_with_graph()
     physical = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(physical)
     have = len(current) if current else 1

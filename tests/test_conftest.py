@@ -9,6 +9,8 @@ in reference cycles; those cycles are broken at their source now (see its docstr
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -68,9 +70,6 @@ def test_lives(i):
 def test_a_worker_that_dies_fails_the_run_at_once(tmp_path):
     """README's `pytest -n 2` with this project's options: a dead worker ends the run, red, naming
     the test. (pytest-xdist's default restarts it, and under loadgroup that run never ended.)"""
-    import subprocess
-    import sys
-
     (tmp_path / "test_dying.py").write_text(_DYING_WORKER)
     command = [sys.executable, "-m", "pytest", "-c", os.path.join(ROOT, "pyproject.toml"),
                "--rootdir", str(tmp_path), "-n", "2", "-p", "no:cacheprovider", str(tmp_path)]  # fmt: skip

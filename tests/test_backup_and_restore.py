@@ -675,11 +675,14 @@ def _fill_disk_after(step, directory, backup_dir=None):
             if int(self.model.optimizer.iterations.numpy()) == step:
                 # With background writes: wait (bounded) until no write is in flight and the
                 # one before is pruned, else that write or prune could free the space again.
+                # The directory also holds tfscale's `.tfscale-lock`: count only checkpoints.
                 deadline = time.monotonic() + 60
-                while backup_dir is not None and time.monotonic() < deadline:
+                while backup_dir is not None:
                     names = os.listdir(backup_dir) if os.path.isdir(backup_dir) else []
-                    if len(names) == 1 and names[0].startswith("ckpt-"):
+                    written = [n for n in names if n.startswith("ckpt-")]
+                    if len(written) == 1 and not any(n.startswith(".tmp-") for n in names):
                         break
+                    assert time.monotonic() < deadline, f"backup writes never settled: {names}"
                     time.sleep(0.01)
                 with open(directory / "filler", "wb", buffering=0) as f:
                     try:

@@ -81,7 +81,6 @@ def test_writes_off_the_training_thread_from_a_copy_and_never_more_than_save_fre
         assert all(np.array_equal(a, b) for a, b in zip(model_arrays, record.weights[step]))
 
 
-@pytest.mark.slow
 def test_background_write_error_raises_at_next_step_and_keeps_last_backup(small_tmpfs):
     backup_dir = small_tmpfs / "b"
     steps = workers.step_counter()

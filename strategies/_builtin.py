@@ -12,7 +12,13 @@ import tensorflow as tf
 from tfscale._auto import choose as _choose_auto
 from tfscale._auto import tpu_named as _tpu_named
 from tfscale.cluster import ClusterSpec
-from tfscale.compat import collective_keys, keras_multi_worker, keras_optimizer, tf_custom_gradient
+from tfscale.compat import (
+    collective_keys,
+    keras_multi_worker,
+    keras_optimizer,
+    keras_symbolic_build,
+    tf_custom_gradient,
+)
 from tfscale.strategies import _communication, _zero
 from tfscale.strategies._devices import (
     cpu_device_names,
@@ -381,4 +387,7 @@ def get(name="auto", *, cluster=None, **options):
     # Each traced train step would otherwise keep its graph for the process's life (TF's
     # custom-gradient registry; see there): a notebook or a sweep training model after model.
     tf_custom_gradient.release_with_graph()
+    # Every `fit` under a strategy would drop a live distributed iterator at once (a TF
+    # teardown race that segfaults now and then; see there).
+    keras_symbolic_build.keep_first_input_iterator()
     return builder(**options)

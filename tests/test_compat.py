@@ -228,3 +228,70 @@ def test_a_traced_custom_gradient_is_released_with_its_graph_and_still_different
     del f, y, tape
     gc.collect()
     assert _custom_gradient_entries() - before == set()
+
+
+# --- compat.keras_symbolic_build: a strategy fit's first iterator is not torn down live ---------
+
+
+def _stop_at_begin_fit(model, x, y):
+    import keras
+
+    class Stop(Exception):
+        pass
+
+    class StopAtBegin(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            raise Stop()
+
+    with pytest.raises(Stop):
+        model.fit(x, y, batch_size=4, epochs=2, callbacks=[StopAtBegin()], verbose=0)
+
+
+def test_a_strategy_fits_first_iterator_lives_until_the_models_next_fit_and_training_is_unchanged():
+    """The iterator Keras builds the model from is kept past `fit` (so TF never tears it down
+    while it still prefetches: the segfault of tests/_iterator_teardown_repro.py), released at
+    the model's next fit or with the model, and never read: the weights are as without it."""
+    import gc
+    import weakref
+
+    import keras
+    from keras.src.backend.tensorflow import trainer
+
+    from tfscale.compat import keras_symbolic_build
+
+    strategy = get("one_device")  # applies the fix
+    assert getattr(trainer.TensorFlowTrainer._maybe_symbolic_build, "_tfscale_kept", False)
+    x, y = np.arange(48, dtype="float32").reshape(16, 3) / 48, np.ones((16, 2), "float32")
+
+    def build():
+        keras.utils.set_random_seed(3)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+            model.compile(keras.optimizers.SGD(0.1), "mse")
+        return model
+
+    model = build()
+    _stop_at_begin_fit(model, x, y)
+    first = keras_symbolic_build.kept_iterator(model)
+    assert first is not None  # a fit that raised before any step: its iterator is still held
+    first = weakref.ref(first)
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    gc.collect()
+    assert first() is None and keras_symbolic_build.kept_iterator(model) is not None
+    kept = weakref.ref(keras_symbolic_build.kept_iterator(model))
+    patched = model.get_weights()
+    del model
+    gc.collect()
+    assert kept() is None  # goes with its model
+
+    unpatched = build()
+    with mock.patch.object(
+        trainer.TensorFlowTrainer,
+        "_maybe_symbolic_build",
+        trainer.TensorFlowTrainer._maybe_symbolic_build.__wrapped__,
+    ):
+        _stop_at_begin_fit(unpatched, x, y)
+        unpatched.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert keras_symbolic_build.kept_iterator(unpatched) is None
+    for a, b in zip(patched, unpatched.get_weights()):
+        np.testing.assert_array_equal(a, b)

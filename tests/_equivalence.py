@@ -23,7 +23,9 @@ Only EQUAL, REFUSED and N/A pass.
 
 Tiers (one process, 4 logical CPUs from tests/conftest.py, references shared by key):
     smoke     `pytest tests/test_equivalence.py -m "not slow"` (the suite's fast tier): the
-              first pairwise case of each model-parallel mode, M and D (~20 cases, ~1 min).
+              first pairwise case of each model-parallel mode, M and D, and the cases the
+              harness once found (tests/test_equivalence.py REGRESSIONS; 25 cases, ~1 min).
+              They are pairwise cases themselves (one aside): a full run runs each once.
     pairwise  `pytest tests/test_equivalence.py -m slow` (in `.ci/run`): a pairwise cover,
               every pair of values of any two dimensions in at least one case (`pairwise`,
               fixed seed; 267 cases, ~10 min on a quiet 2-core machine: too slow for the

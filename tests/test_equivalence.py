@@ -1,7 +1,8 @@
 """Every model-parallel mode gives plain Keras's result, or refuses in one line: generated cases.
 
 The cases, the comparison and the tiers are in tests/_equivalence.py (read its docstring):
-    smoke     pytest tests/test_equivalence.py -m "not slow"   (one case per mode, M and D)
+    smoke     pytest tests/test_equivalence.py -m "not slow"   (one case per mode, M and D,
+              and the REGRESSIONS; the pairwise ones are those same pairwise cases, run once)
     pairwise  pytest tests/test_equivalence.py -m slow         (the pairwise cover: the CI gate)
     ci/full   TFSCALE_EQUIVALENCE=ci|full pytest tests/test_equivalence.py -m slow
 Each case passes when EQUAL, REFUSED (one line, before any step, nothing changed) or N/A
@@ -60,6 +61,10 @@ KNOWN = {
 def _param(case):
     reason = KNOWN.get(case.id)
     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    # Each case runs once per run: the smoke cases and the pairwise cases the harness found
+    # (REGRESSIONS, below) are the fast tier's part of the cover; the rest is slow.
+    if case not in _FAST:
+        marks.append(pytest.mark.slow)
     return pytest.param(case, id=case.id, marks=marks)
 
 
@@ -68,12 +73,19 @@ def _check(case):
     assert outcome.outcome in PASS, f"{outcome.outcome}: {case.id}: {outcome.detail}"
 
 
-@pytest.mark.parametrize("case", SMOKE, ids=lambda c: c.id)
-def test_mode_equals_plain_keras(case):
-    _check(case)
+# Cases the harness found differing or crashing, fixed at their cause: kept in the fast tier.
+REGRESSIONS = [
+    eq.Case("tensor", 1, 1, "adam", "none", "lstm_masked", "fit"),  # split Dense dropped the mask
+    eq.Case("tensor", 1, 1, "adadelta", "weight_decay", "conv", "save_load_weights"),  # shard file
+    eq.Case("tensor", 1, 2, "rmsprop", "lr_schedule", "add_loss", "uneven_tf_data"),  # penalty share
+    eq.Case("layer", 1, 2, "ftrl", "global_clipnorm", "gru_timestep_masked", "uneven_numpy"),  # tf.split
+    eq.Case("tensor", 1, 2, "adagrad", "clipvalue", "bidirectional_masked", "uneven_tf_data"),
+    eq.Case("1f1b", 2, 1, "adam", "none", "batchnorm", "evaluate"),  # per-micro-batch statistics: refused
+    eq.Case("zb-h1", 2, 1, "lion", "global_clipnorm", "dropout", "validation_data"),  # masks: refused
+]
+_FAST = set(SMOKE) | set(REGRESSIONS)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", [_param(c) for c in PAIRWISE])
 def test_mode_equals_plain_keras_pairwise(case):
     _check(case)
@@ -87,19 +99,8 @@ if WIDE_TIER:
         _check(case)
 
 
-# Cases the harness found differing or crashing, fixed at their cause: kept in the fast tier.
-REGRESSIONS = [
-    eq.Case("tensor", 1, 1, "adam", "none", "lstm_masked", "fit"),  # split Dense dropped the mask
-    eq.Case("tensor", 1, 1, "adadelta", "weight_decay", "conv", "save_load_weights"),  # shard file
-    eq.Case("tensor", 1, 2, "rmsprop", "lr_schedule", "add_loss", "uneven_tf_data"),  # penalty share
-    eq.Case("layer", 1, 2, "ftrl", "global_clipnorm", "gru_timestep_masked", "uneven_numpy"),  # tf.split
-    eq.Case("tensor", 1, 2, "adagrad", "clipvalue", "bidirectional_masked", "uneven_tf_data"),
-    eq.Case("1f1b", 2, 1, "adam", "none", "batchnorm", "evaluate"),  # per-micro-batch statistics: refused
-    eq.Case("zb-h1", 2, 1, "lion", "global_clipnorm", "dropout", "validation_data"),  # masks: refused
-]
-
-
-@pytest.mark.parametrize("case", REGRESSIONS, ids=lambda c: c.id)
+# A regression that is not (or no longer) a pairwise case runs on its own, in the fast tier.
+@pytest.mark.parametrize("case", [c for c in REGRESSIONS if c not in set(PAIRWISE)], ids=lambda c: c.id)
 def test_cases_found_by_the_harness_stay_fixed(case):
     _check(case)
 

@@ -7,7 +7,7 @@ Trains a small model under `strategies.get("one_device")` with a callback that r
 tests/test_hostile_backup.py (53 such fits) and of a notebook that retries `fit`.
 Unpatched (Keras as shipped), the iterator of each fit's symbolic build is dropped while
 its MultiDeviceIterator still fills its buffer: measured here (TF 2.21.0, Keras 3.15.1, two
-copies side by side, or one beside a pytest run, on 2 cores) 5 of 5 runs died with SIGSEGV
+copies side by side, or one beside a pytest run, on 2 cores) 5 of 5 runs died of a segmentation fault
 (exit 139) within 250 to 850 fits; one copy alone on a quiet machine ran 2,000 fits without
 a crash. Patched (tfscale.compat.keras_symbolic_build, applied by strategies.get): 0 of
 2 x 2,000 fits side by side. Not part of the suite: it takes minutes, and a crash is a
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fits", type=int, default=2000)
-    parser.add_argument("--unpatched", action="store_true", help="Keras as shipped: expect a SIGSEGV")
+    parser.add_argument("--unpatched", action="store_true", help="Keras as shipped: expect a crash")
     args = parser.parse_args(argv)
     faulthandler.enable()
     import _backup_workers as workers

@@ -247,10 +247,10 @@ def _stop_at_begin_fit(model, x, y):
         model.fit(x, y, batch_size=4, epochs=2, callbacks=[StopAtBegin()], verbose=0)
 
 
-def test_a_strategy_fits_first_iterator_lives_until_the_models_next_fit_and_training_is_unchanged():
-    """The iterator Keras builds the model from is kept past `fit` (so TF never tears it down
-    while it still prefetches: the segfault of tests/_iterator_teardown_repro.py), released at
-    the model's next fit or with the model, and never read: the weights are as without it."""
+def test_a_strategy_fits_first_iterator_is_parked_freed_at_a_later_fit_and_training_is_unchanged():
+    """The iterator Keras builds the model from is parked past `fit` (so TF never tears it down
+    while it still prefetches: the crash of tests/_iterator_teardown_repro.py), freed at a
+    later fit once idle, and never read: the weights are as without it."""
     import gc
     import weakref
 
@@ -271,18 +271,17 @@ def test_a_strategy_fits_first_iterator_lives_until_the_models_next_fit_and_trai
         return model
 
     model = build()
+    before = keras_symbolic_build.parked_iterators()  # held: no id of theirs is reused
     _stop_at_begin_fit(model, x, y)
-    first = keras_symbolic_build.kept_iterator(model)
-    assert first is not None  # a fit that raised before any step: its iterator is still held
-    first = weakref.ref(first)
-    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
-    gc.collect()
-    assert first() is None and keras_symbolic_build.kept_iterator(model) is not None
-    kept = weakref.ref(keras_symbolic_build.kept_iterator(model))
+    new = [i for i in keras_symbolic_build.parked_iterators() if not any(i is b for b in before)]
+    del before
+    assert len(new) == 1  # a fit that raised before any step: its first iterator is still held
+    first = weakref.ref(new[0])
+    del new
+    with mock.patch.object(keras_symbolic_build, "_IDLE_AFTER", 0.0):  # idle at once, for the test
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert first() is None  # freed when the next fit started, by reference counting
     patched = model.get_weights()
-    del model
-    gc.collect()
-    assert kept() is None  # goes with its model
 
     unpatched = build()
     with mock.patch.object(
@@ -290,8 +289,11 @@ def test_a_strategy_fits_first_iterator_lives_until_the_models_next_fit_and_trai
         "_maybe_symbolic_build",
         trainer.TensorFlowTrainer._maybe_symbolic_build.__wrapped__,
     ):
+        before = keras_symbolic_build.parked_iterators()
         _stop_at_begin_fit(unpatched, x, y)
         unpatched.fit(x, y, batch_size=4, epochs=2, verbose=0)
-    assert keras_symbolic_build.kept_iterator(unpatched) is None
+        assert all(any(i is b for b in before) for i in keras_symbolic_build.parked_iterators())
+        del before
     for a, b in zip(patched, unpatched.get_weights()):
         np.testing.assert_array_equal(a, b)
+    gc.collect()

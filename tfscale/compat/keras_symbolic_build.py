@@ -12,39 +12,51 @@ it as `Fatal Python error: Segmentation fault` at `epoch_iterator.py`, `reset`.
 Measured with `tests/_iterator_teardown_repro.py` (fits under `one_device` that stop in
 `on_train_begin`; two copies side by side, or beside a pytest run, on 2 cores): unpatched,
 5 of 5 runs died with SIGSEGV at that place within 250 to 850 fits (one alone on a quiet
-machine ran 2,000 fits without a crash: it needs a busy machine); kept (this module), 0 of
-2 x 2,000 fits side by side. In this suite it killed an xdist worker in 2 of the last 3 full
-runs (tests/test_hostile_backup.py, 53 such fits in one test).
+machine ran 2,000 fits without a crash: it needs a busy machine); kept until the model's
+next fit (this module's first form, ~60 ms later), 0 of 2 x 2,000 fits side by side; parked
+as below, 0 of 2 x 2,000 (beside a full pytest run). In this suite it killed an xdist
+worker in 2 of the last 3 full runs (tests/test_hostile_backup.py, 53 such fits in a test).
 
-`keep_first_input_iterator()` keeps that iterator referenced (per model, weakly keyed)
-until the model's next `fit` under a strategy or until the model is freed, so it is torn
-down long after its buffer has filled and its background thread waits. It is never read
-again; the batches `fit` trains on come from the iterators Keras makes afterwards, exactly
-as before. Cost: one more live iterator per model between fits (its prefetch buffer, a
-couple of batches). Kept only for array and `tf.data` inputs, where a longer-lived
-iterator cannot change what later iterators yield; a Python generator or `PyDataset`
-input is left as Keras has it (its iterator pulls from the user's own source).
-Not covered (not a drop right after creation, a different timing): a `fit` interrupted
-mid-epoch, or one that stops early (`steps_per_epoch`, `stop_training`), also drops a live
-iterator; no crash of that kind has been seen here.
+`keep_first_input_iterator()` parks that iterator in a module list instead, and the
+start of a later `fit` under a strategy frees the ones parked at least a second before,
+when their buffers are long full and their background threads wait. Never in a garbage
+collection: kept per model, a model in a reference cycle took its iterator into one, and
+the teardown then stalled that collection for seconds (tests/_gc_probe.py). A parked
+iterator is never read again; the batches `fit` trains on come from the iterators Keras
+makes afterwards, exactly as before. Cost: the iterators of the last second's fits stay
+alive until the next fit (their prefetch buffers, a couple of batches each). Kept only
+for array and `tf.data` inputs, where a longer-lived iterator cannot change what later
+iterators yield; a Python generator or `PyDataset` input is left as Keras has it (its
+iterator pulls from the user's own source).
+Not covered: a `fit` that raises mid-epoch leaves its live iterator in Keras's own cycle
+(tests/test_compat_backup.py), torn down by a later garbage collection (seconds; see
+tests/_gc_probe.py). Parking it the same way was measured (issue 28's closing note, stop
+37) but is not applied yet.
 
 Gate: `TensorFlowTrainer._maybe_symbolic_build` and `EpochIterator._current_iterator`
-exist (checked on Keras 3.15.1 only). FIXED_IN: none as of TF 2.21 / Keras 3.15.
+exist (checked on Keras 3.15.1 only).
+FIXED_IN: none as of TF 2.21 / Keras 3.15.
 """
 
 import threading
-import weakref
+import time
 
-__all__ = ["CHECKED_ON", "FIXED_IN", "keep_first_input_iterator", "kept_iterator"]
+__all__ = [
+    "CHECKED_ON",
+    "FIXED_IN",
+    "keep_first_input_iterator",
+    "parked_iterators",
+]
 
 CHECKED_ON = ("3.15", "3.15")
 FIXED_IN = None
-_KEPT = weakref.WeakKeyDictionary()  # model -> the iterator its last symbolic build used
+_PARKED = []  # (when, iterator): live iterators Keras let go of, freed at a later strategy `fit`
+_IDLE_AFTER = 1.0  # seconds parked before an iterator is freed: its buffers are full by then
 _lock = threading.Lock()
 
 
 def keep_first_input_iterator():
-    """Keeps a strategy `fit`'s symbolic-build iterator to the model's next `fit`; False where unsupported."""
+    """Parks a strategy `fit`'s symbolic-build iterator until it is idle; False where unsupported."""
     try:
         from keras.src.backend.tensorflow import trainer
     except ImportError:
@@ -59,20 +71,29 @@ def keep_first_input_iterator():
     return True
 
 
-def kept_iterator(model):
-    """The iterator kept for `model` (tests), or None."""
-    return _KEPT.get(model)
+def parked_iterators():
+    """The iterators parked now (tests)."""
+    with _lock:
+        return [iterator for _, iterator in _PARKED]
+
+
+def _release_parked():
+    """Frees the iterators parked at least _IDLE_AFTER seconds ago (at the start of a fit)."""
+    now = time.monotonic()
+    with _lock:
+        idle = [entry for entry in _PARKED if now - entry[0] >= _IDLE_AFTER]
+        _PARKED[:] = [entry for entry in _PARKED if now - entry[0] < _IDLE_AFTER]
+    del idle  # freed here, outside the lock
 
 
 def _kept(original):
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        _release_parked()
         result = original(self, iterator=iterator, data_batch=data_batch)
         current = getattr(iterator, "_current_iterator", None)
         if current is not None and _replayable(iterator):
-            try:
-                _KEPT[self] = current  # replaces (and frees) the one of this model's last fit
-            except TypeError:  # a model that cannot be weakly referenced: as Keras has it
-                pass
+            with _lock:
+                _PARKED.append((time.monotonic(), current))  # Keras's reset() drops it next
         return result
 
     _maybe_symbolic_build._tfscale_kept = True

@@ -408,6 +408,11 @@ def test_two_real_jobs_on_one_folder(tmp_path):
         for line in proc.stdout:
             if line.startswith("tfscale-test global_step 12"):
                 break
+        else:
+            raise AssertionError(f"job A ended before step 12 (exit {proc.wait(timeout=60)})")
+        # Paused, not finished: under load job A's last 36 steps (7 s) could otherwise end, and
+        # free the folder, before job B (starting TensorFlow's fit) reaches the lock.
+        os.kill(proc.pid, signal.SIGSTOP)
         before = _state(backup_dir)
         with pytest.raises(tfscale.callbacks.BackupInUseError, match=rf"pid {proc.pid} on .*'job-a'"):
             workers.train(str(backup_dir), job_id="job-b")

@@ -251,7 +251,6 @@ def test_a_strategy_fits_first_iterator_is_parked_freed_at_a_later_fit_and_train
     """The iterator Keras builds the model from is parked past `fit` (so TF never tears it down
     while it still prefetches: the crash of tests/_iterator_teardown_repro.py), freed at a
     later fit once idle, and never read: the weights are as without it."""
-    import gc
     import weakref
 
     import keras
@@ -296,4 +295,3 @@ def test_a_strategy_fits_first_iterator_is_parked_freed_at_a_later_fit_and_train
         del before
     for a, b in zip(patched, unpatched.get_weights()):
         np.testing.assert_array_equal(a, b)
-    gc.collect()

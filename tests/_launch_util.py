@@ -24,10 +24,10 @@ def _env(marker, extra):
     return env
 
 
-def run_launcher(args, marker, *, timeout=120, env=None, cwd=None):
-    """Runs `tfscale-launch ARGS` to the end; returns the CompletedProcess (text)."""
+def run_launcher(args, marker, *, timeout=120, env=None, cwd=None, prefix=()):
+    """Runs `[PREFIX...] tfscale-launch ARGS` to the end; returns the CompletedProcess (text)."""
     return subprocess.run(
-        [LAUNCHER, *args],
+        [*prefix, LAUNCHER, *args],
         env=_env(marker, env),
         cwd=cwd,
         capture_output=True,

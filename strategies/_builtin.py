@@ -390,4 +390,5 @@ def get(name="auto", *, cluster=None, **options):
     # Every `fit` under a strategy would drop a live distributed iterator at once (a TF
     # teardown race that segfaults now and then; see there).
     keras_symbolic_build.keep_first_input_iterator()
+    keras_symbolic_build.park_interrupted_inputs()
     return builder(**options)

@@ -295,3 +295,100 @@ def test_a_strategy_fits_first_iterator_is_parked_freed_at_a_later_fit_and_train
         del before
     for a, b in zip(patched, unpatched.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+class _CollectionCounter:
+    """Counts garbage collections of any generation from start() to stop()."""
+
+    def __init__(self):
+        self.started = []
+
+    def _count(self, phase, info):
+        if phase == "start":
+            self.started.append(info["generation"])
+
+    def start(self):
+        import gc
+
+        gc.callbacks.append(self._count)
+
+    def stop(self):
+        import gc
+
+        if self._count in gc.callbacks:
+            gc.callbacks.remove(self._count)
+        return len(self.started)
+
+
+@pytest.mark.parametrize("where", ["train", "validation"])
+def test_a_fit_that_raises_parks_its_live_iterators_and_leaves_no_cycle_for_the_collector(where):
+    """Keras keeps a raising fit's epoch iterator in its own cycle (tests/test_compat_backup.py),
+    torn down live by a later garbage collection: slow (seconds each, tests/_gc_probe.py) and
+    the teardown race of tests/_iterator_teardown_repro.py. With tfscale's `fit` wrapper the
+    live iterators are parked and the epoch iterators freed by reference counting, with no
+    collection; the next fit frees the parked ones."""
+    import weakref
+
+    import keras
+
+    from tfscale.compat import keras_fit_position, keras_symbolic_build
+
+    strategy = get("one_device")  # applies the fix
+    x, y = np.arange(96, dtype="float32").reshape(32, 3) / 96, np.ones((32, 2), "float32")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+
+    class Stop(Exception):
+        pass
+
+    class StopIn(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.epoch_iterators, self.live, self.collections = [], [], _CollectionCounter()
+
+        def _stop(self, epoch_iterators):
+            self.epoch_iterators = [weakref.ref(e) for e in epoch_iterators]
+            self.live = [weakref.ref(e._current_iterator) for e in epoch_iterators]
+            self.collections.start()  # from the raise to the check after fit
+            raise Stop()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if where == "train" and batch == 1:
+                self._stop([keras_fit_position.find_epoch_iterator(self.model)])
+
+        def on_test_batch_end(self, batch, logs=None):
+            if where == "validation":
+                training = keras_fit_position.find_epoch_iterator(self.model)
+                self._stop([training, self.model._eval_epoch_iterator])
+
+    def interrupted_fit():
+        stop = StopIn()
+        try:
+            model.fit(x, y, batch_size=4, epochs=2, validation_split=0.25, callbacks=[stop], verbose=0)
+        except Stop:
+            pass
+        return stop
+
+    for _ in range(3):  # a collection that starts on its own in the window makes a try inconclusive
+        before = keras_symbolic_build.parked_iterators()
+        stop = interrupted_fit()
+        collections = stop.collections.stop()
+        parked = [i for i in keras_symbolic_build.parked_iterators() if not any(i is b for b in before)]
+        del before
+        if collections == 0:
+            break
+    assert collections == 0, "a garbage collection ran in each of 3 tries: inconclusive"
+    assert stop.epoch_iterators[0]() is None  # the training epoch iterator: freed, no collection
+    if where == "validation":
+        assert stop.epoch_iterators[1]() is model._eval_epoch_iterator  # Keras keeps it till the next fit
+    live = [ref() for ref in stop.live]
+    assert all(i is not None and any(i is p for p in parked) for i in live)  # parked, not torn down
+    # and the symbolic-build ones: fit's, and evaluate's (it builds from a batch too)
+    assert len(parked) == len(live) + (2 if where == "validation" else 1)
+    parked = [weakref.ref(i) for i in parked]
+    del live
+    with mock.patch.object(keras_symbolic_build, "_IDLE_AFTER", 0.0):  # idle at once, for the test
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert [ref() for ref in parked] == [None] * len(parked)  # freed when the next fit started
+    assert all(ref() is None for ref in stop.epoch_iterators)

@@ -16,7 +16,7 @@ from tfscale.callbacks._backup_lock import DirectoryLock, LockHeldError
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
 from tfscale.callbacks._backup_store import BackupStore, NpzShard, UnusableBackupError
 from tfscale.callbacks._backup_writer import BackgroundWriter, wait_for_directory
-from tfscale.compat import keras_fit_position, keras_optimizer_zero, tf_function_tracing
+from tfscale.compat import keras_fit_position, keras_optimizer_zero, keras_symbolic_build, tf_function_tracing
 from tfscale.errors import Error
 
 __all__ = [
@@ -267,6 +267,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         job_id=None,
     ):
         super().__init__()
+        # A `fit` that raises parks its live input iterators instead of leaving them to a
+        # garbage collection or tearing them down while they prefetch (see the compat module).
+        keras_symbolic_build.park_interrupted_inputs()
         if job_id is None:
             job_id = os.environ.get(JOB_ID_VAR) or None
         _check_args(

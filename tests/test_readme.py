@@ -233,7 +233,13 @@ SNIPPETS = [
         # Both tasks ran, each with its own TF_CONFIG: the stand-in prints the task it was given.
         check=r"(?s)(?=.*'type': 'worker', 'index': 0\})(?=.*'type': 'worker', 'index': 1\})",
     ),
-    Snippet('tfscale.strategies.get("mirrored", cpu_replicas=2, zero_stage=', page="docs/zero.md"),
+    Snippet(
+        'tfscale.strategies.get("mirrored", cpu_replicas=2, zero_stage=',
+        page="docs/zero.md",
+        # The bytes the page explains: a full copy of the parameters, 1/2 of Adam's state.
+        check=r"(?s)CPU:0': \{'parameters': 264, 'optimizer': 432, "
+        r".*CPU:1': \{'parameters': 264, 'optimizer': 432, ",
+    ),
     # Run as written on one rank (size 1) here; the launch line below runs it on two.
     Snippet("import tfscale.horovod as hvd  # was:", page="docs/horovod.md", check=r"Epoch 2/2"),
     Snippet(

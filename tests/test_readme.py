@@ -359,6 +359,27 @@ SNIPPETS = [
         check=r"communication-local\.json\ncommunication\.png\nlocal\ntrace-local\.json\.gz",
     ),
     Snippet(
+        "--steps_per_epoch=8 --profile_steps=4:6 --model_dir=run2",
+        page="docs/optimizers.md",
+        run="sh",
+        # The files the page lists (the chief's trace only) and the other worker's log line.
+        check=r"(?ms)(?=.*^communication-worker-0\.json\ncommunication-worker-1\.json\n"
+        r"communication\.png\ntrace-worker-0\.json\.gz\nworker-0$)"
+        r"(?=.*^\[worker:1\] tfscale: [\d.]+ s/step \(steps 4-6, worker-1; not traced: )",
+        marks=(pytest.mark.slow,),  # a 2-process cluster: ~10 s
+    ),
+    Snippet(
+        "from tfscale.compat import tf_traceme_split",
+        page="docs/optimizers.md",
+        check=r"\AFalse\nTrue\nFalse\n",
+    ),
+    Snippet(
+        "tests/_profiler_repro.py --runs 40",
+        page="docs/optimizers.md",
+        run="skip",
+        why="the crash reproducer, not a test: 40 two-worker jobs take many minutes (its counts are here)",
+    ),
+    Snippet(
         "errors.py        tfscale.Error(ValueError)",
         page="docs/layout.md",
         run="skip",

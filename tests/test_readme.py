@@ -257,6 +257,23 @@ SNIPPETS = [
         expect_error="tfscale-train: error:",
     ),
     Snippet(
+        "lambda: StepTimer(global_batch_size=0),",
+        page="docs/reliability.md",
+        # The three lines the page shows after it, in order, exactly.
+        check=r"\ACallbackError \| Invalid value for argument `global_batch_size`\. Received: "
+        r"global_batch_size=0\. Expected a positive integer\.\n"
+        r"CallbackError \| Invalid value for argument `initial_lr`\. Received: initial_lr=-1\.0\. "
+        r"Expected a non-negative finite number\.\n"
+        r"StrategyError \| Unknown pipeline schedule\. Received: schedule='pipedream'\. "
+        r"Expected one of 1f1b, gpipe, interleaved, zb-h1\.\n",
+    ),
+    Snippet(
+        "CallbackError | Invalid value for argument `global_batch_size`.",
+        page="docs/reliability.md",
+        run="skip",
+        why="the output of the block above, checked there (its `check`)",
+    ),
+    Snippet(
         "python bench/bench_scaling.py --quick",
         page="docs/benchmarks.md",
         run="skip",
@@ -384,6 +401,19 @@ SNIPPETS = [
         page="docs/layout.md",
         run="skip",
         why="the repository layout, not code",
+    ),
+    Snippet(
+        "capabilities    tfscale.strategies, tfscale.launch, tfscale.datasets, tfscale.horovod",
+        page="docs/layout.md",
+        run="skip",
+        why="a diagram of the layers, not code (tests/test_layers.py checks the rule it shows)",
+    ),
+    Snippet(
+        "print(tf_communication.compression_dtype(strategy))",
+        page="docs/layout.md",
+        # What the sentence after it says the block prints.
+        check=r"\A<dtype: 'bfloat16'>\n300\.0 ElasticBackupAndRestore\n"
+        r"\['python', 'train\.py', '--epochs=3'\]\n",
     ),
 ]
 

@@ -6,8 +6,7 @@ needs that the page leaves to the reader -- names defined before it (`setup`), f
 directory, stand-ins for programs that do not exist here (`sbatch`, `kubectl`, `ssh`,
 `srun`), and `fill`: placeholders such as `[...]` replaced by a concrete value. The block's
 text itself is never edited here: a page change that breaks an example fails its test, and a
-block that is not in the table fails `test_every_block_is_in_the_table`. docs/pending/ is not
-part of the site and is not checked.
+block that is not in the table fails `test_every_block_is_in_the_table`.
 """
 
 import dataclasses
@@ -21,7 +20,7 @@ from typing import Optional
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# README first, then the site's pages (docs/pending/ is not built, so not listed).
+# README first, then the site's pages.
 PAGES = ("README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")))
 BIN = Path(sys.executable).parent  # the venv's bin: tfscale-*, python, pytest
 

@@ -16,6 +16,7 @@ from tfscale.compat import (
     collective_keys,
     keras_multi_worker,
     keras_optimizer,
+    keras_steps_per_execution,
     keras_symbolic_build,
     tf_custom_gradient,
 )
@@ -391,4 +392,6 @@ def get(name="auto", *, cluster=None, **options):
     # teardown race that segfaults now and then; see there).
     keras_symbolic_build.keep_first_input_iterator()
     keras_symbolic_build.park_interrupted_inputs()
+    # steps_per_execution > 1 crashes Keras's multi-step loop on 2+ replicas (see there).
+    keras_steps_per_execution.run_executions_step_by_step()
     return builder(**options)

@@ -392,3 +392,37 @@ def test_a_fit_that_raises_parks_its_live_iterators_and_leaves_no_cycle_for_the_
         model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     assert [ref() for ref in parked] == [None] * len(parked)  # freed when the next fit started
     assert all(ref() is None for ref in stop.epoch_iterators)
+
+
+# --- compat.keras_steps_per_execution: steps_per_execution > 1 on 2+ replicas -------------------
+
+
+@pytest.mark.parametrize("steps_per_execution", [2, 3])
+def test_steps_per_execution_under_mirrored_trains_and_evaluates_as_one_device(steps_per_execution):
+    """Keras's multi-step loop crashes on 2 replicas (placeholder not fed); step by step, a
+    fit of 5 batches per epoch (the last one short and uneven) and an evaluate with the same
+    executions end as plain Keras on one device with steps_per_execution=1."""
+    import keras
+    from keras.src.backend.tensorflow import trainer
+
+    get("one_device")  # applies the fix (and splits nothing)
+    assert getattr(trainer.TensorFlowTrainer._make_function, "_tfscale_step_by_step", False)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((18, 4), dtype="float32"), rng.integers(0, 2, 18)
+
+    def train(strategy, spe):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)])
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            model.compile(keras.optimizers.Adam(0.01), loss, metrics=["accuracy"], steps_per_execution=spe)
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+        return history, model.get_weights(), model.evaluate(x, y, batch_size=4, verbose=0)
+
+    want = train(tf.distribute.get_strategy(), 1)
+    got = train(get("mirrored", cpu_replicas=2), steps_per_execution)
+    for key in want[0]:
+        np.testing.assert_allclose(got[0][key], want[0][key], rtol=1e-6, atol=1e-6, err_msg=key)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-6, atol=1e-6)

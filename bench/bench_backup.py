@@ -67,14 +67,14 @@ def _timed_callback_class():
             start = time.perf_counter()
             super()._save(*args, **kwargs)
             self.saves += 1
-            if not self._in_schedule:  # else counted by _bounded_save
+            if not self._in_schedule:  # else counted by _save_if_due
                 self.save_seconds += time.perf_counter() - start
 
-        def _bounded_save(self, done):
+        def _save_if_due(self, before, done):
             start = time.perf_counter()
             self._in_schedule = True
             try:
-                super()._bounded_save(done)
+                super()._save_if_due(before, done)
             finally:
                 self._in_schedule = False
             self.save_seconds += time.perf_counter() - start
@@ -84,7 +84,7 @@ def _timed_callback_class():
             super().on_train_batch_end(batch, logs)
             self.hook_seconds += time.perf_counter() - start
             self.writer_waits = self._writer.waits
-            self.most_at_risk = max(self.most_at_risk, self._global_step + 1 - self._published)
+            self.most_at_risk = max(self.most_at_risk, self._global_step + 1 - self._policy.published_step)
 
         def on_epoch_end(self, epoch, logs=None):
             start = time.perf_counter()

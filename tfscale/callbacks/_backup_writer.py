@@ -6,7 +6,7 @@ At most one write is in flight: the next backup waits for it before taking its s
 so at most one extra copy of the state exists and no due backup is skipped (skipping
 would let more than `save_freq` steps pass between published backups). When the
 snapshots are taken, and when a step must wait for a write, is the callback's
-business (`BackupAndRestore._bounded_save`).
+business (`BackupAndRestore._save_if_due` and tfscale/_save_policy.py).
 
 A write that raised keeps its exception until the training thread takes it (at the next
 step). The thread is not a daemon: when `fit` raises, the write in flight still finishes

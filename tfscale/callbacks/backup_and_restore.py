@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfscale._save_policy import SavePolicy
 from tfscale.callbacks import _backup_cluster, _backup_placed
 from tfscale.callbacks._backup_lock import DirectoryLock, LockHeldError
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
@@ -285,6 +286,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.job_id = job_id
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
+        self._policy = SavePolicy(save_freq, async_save)  # remade at each fit's start
         self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint
         self.max_to_keep = max_to_keep or (2 if double_checkpoint else 1)
@@ -423,8 +425,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         start = time.perf_counter()
         try:
             path = self._store.write(global_step, meta, shards)
-            self._published = global_step
-            self._write_seconds = time.perf_counter() - start
+            self._policy.published(global_step, time.perf_counter() - start)
             self._store.prune(global_step)
         except (OSError, tf.errors.OpError) as e:  # OpError: a placed shard's write failed
             where = getattr(e, "filename", None) or self.backup_dir
@@ -652,12 +653,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         if backup is not None:
             self._restore(backup)
         self._snapshot_function()
-        self._published = self._global_step  # the newest backup on disk (or the start)
-        self._bounded = self.async_save and type(self.save_freq) is int
-        self._write_seconds = self._step_seconds = None
-        self._timed = 0
-        self._next_due = self._global_step + self.save_freq - self._lag() if self._bounded else None
-        if self._bounded and self._multi_worker:
+        self._policy = SavePolicy(self.save_freq, self.async_save)
+        self._policy.start(self._global_step)  # the newest backup on disk (or the start)
+        if self._policy.bounded and self._multi_worker:
             self._agree = _backup_cluster.from_writer(strategy, self._role.writer)
         self._preemption = None
         if self.save_before_preemption:
@@ -685,59 +683,29 @@ class BackupAndRestore(keras.callbacks.Callback):
         before = self._global_step
         self._step = batch + 1
         self._global_step += done
-        freq = self.save_freq
-        if self._bounded:
-            self._bounded_save(done)
-        elif type(freq) is int and self._global_step // freq > before // freq:
-            self._save()
+        self._save_if_due(before, done)
         if self._preemption is not None:
             self._preemption.step_done()
 
-    def _bounded_save(self, done):
-        """`async_save` with an integer `save_freq`: never more than `save_freq` steps at risk.
-
-        A kill loses the steps since the newest *published* backup. Snapshots every
-        `save_freq` steps would leave up to `save_freq - 1` + the steps run during a
-        write at risk. So a snapshot is taken `lag` steps before the published one
-        would be `save_freq` old, `lag` being about twice the steps a write has been
-        taking (at most `save_freq // 2`, so at most one write is in flight), and the
-        writer waits for the write in flight only if the next `done` steps would
-        otherwise leave more than `save_freq` steps after the newest published backup.
-        When to snapshot depends only on steps and the writer's agreed `lag`, so every
-        worker snapshots at the same step (reading the variables can be a collective).
-        """
-        freq, step = self.save_freq, self._global_step
-        seconds = (time.perf_counter() - self._begin_time) / done
-        self._timed += 1
-        if self._timed > 1:  # the first execution of a `fit` also traces the step
-            old = self._step_seconds
-            self._step_seconds = seconds if old is None else 0.8 * old + 0.2 * seconds
-        last = self._last_saved if self._last_saved is not None else self._published
-        if step >= self._next_due or step + done - last > freq:
-            lag = self._lag()
+    def _save_if_due(self, before, done):
+        """Asks the save policy (tfscale/_save_policy.py) after `done` steps from `before`."""
+        policy = self._policy
+        if policy.bounded:
+            policy.steps_done((time.perf_counter() - self._begin_time) / done)
+        if policy.due(before, self._global_step, done, self._last_saved):
+            lag = policy.lag()
             self._save()
-            if self._multi_worker:
-                lag = round(self._agree(lag))
-            self._next_due = step + max(done, freq - lag)
-        if self._role.writer and step + done - self._published > freq:
+            if policy.bounded:
+                if self._multi_worker:
+                    lag = round(self._agree(lag))  # every worker snapshots at the same steps
+                policy.scheduled(self._global_step, done, lag)
+        if self._role.writer and policy.must_wait(self._global_step, done):
             self._writer.wait()  # the write in flight is of this or a newer enough step
             self._raise_write_error()
 
-    def _lag(self):
-        """Steps between a snapshot and the step its write must be published by."""
-        most = self.save_freq // 2
-        if self._write_seconds is None or not self._step_seconds:
-            return most  # no write measured yet (the first one is often the slowest)
-        steps = math.ceil(self._write_seconds / self._step_seconds)  # steps one write takes
-        if steps >= self.save_freq:
-            # It cannot overlap enough to pay for the extra backups an early snapshot
-            # makes: snapshot every save_freq steps and wait for each write at once.
-            return 0
-        return min(most, 2 * steps + 1)
-
     def on_epoch_end(self, epoch, logs=None):
         self._epoch, self._step = epoch + 1, 0
-        if self.save_freq == "epoch":
+        if self._policy.at_epoch_end():
             self._save(at_epoch_end=True)
 
     def on_train_end(self, logs=None):

@@ -37,7 +37,8 @@ def compat_env(base):
 
 
 RESTART_COUNT_VAR = _task_protocol.RESTART_COUNT_VAR
-JOB_ID_VAR = "TFSCALE_JOB_ID"  # read by tfscale.callbacks.BackupAndRestore (its `job_id`)
+JOB_ID_VAR = _task_protocol.JOB_ID_VAR  # read by tfscale.callbacks.BackupAndRestore (its `job_id`)
+TF_CONFIG_VAR = _task_protocol.TF_CONFIG_VAR
 
 
 def job_id(base):
@@ -54,7 +55,7 @@ def task_env(tf_config, keras_compat, base, restart_count=0):
     TORCHELASTIC_RESTART_COUNT), so a task can tell a restart from a fresh start;
     and the PYTHONPATH of the `--keras_compat` shim when asked.
     """
-    env = {"TF_CONFIG": tf_config, RESTART_COUNT_VAR: str(restart_count), JOB_ID_VAR: job_id(base)}
+    env = {TF_CONFIG_VAR: tf_config, RESTART_COUNT_VAR: str(restart_count), JOB_ID_VAR: job_id(base)}
     if keras_compat:
         env.update(compat_env(base))
     return env

@@ -151,7 +151,7 @@ def kill_mid_write_class(base, after_step, signum=None):
 
         def on_train_batch_end(self, batch, logs=None):
             super().on_train_batch_end(batch, logs)
-            if self.fired or self._global_step < after_step or not self._role.writer:
+            if self.fired or self._global_step < after_step or not self._task.is_writer:
                 return
             if self._writer.busy():
                 self.fired = True

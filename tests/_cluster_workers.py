@@ -76,16 +76,15 @@ def identity_from_the_spec_alone():
     import tensorflow as tf
 
     import tfscale.strategies
-    from tfscale.callbacks import _backup_cluster
 
     load = importlib.import_module("tfscale.datasets.load")  # the module; the package exports load()
 
     strategy = tfscale.strategies.get("auto", cluster=spec)
-    role = _backup_cluster.role(strategy)
+    task = ClusterSpec.of_process(strategy)
     return {
         "multi_worker": isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy),
         "replicas": strategy.num_replicas_in_sync,
         "resolver_task": (strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id),
-        "backup_role": (role.label, role.num_workers, role.writer),
+        "backup_role": (task.task_label, task.num_workers, task.is_writer),
         "dataset_worker": load._worker_context(strategy)[:2],
     }

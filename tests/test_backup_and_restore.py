@@ -296,11 +296,11 @@ def test_non_writer_task_writes_nothing(tmp_path):
 def test_writer_is_chief_or_worker_0(cluster_spec, task, writer):
     import tensorflow as tf
 
-    from tfscale.callbacks import _backup_cluster
+    from tfscale.cluster import ClusterSpec
 
     environ = {"TF_CONFIG": json.dumps({"cluster": cluster_spec, "task": task})}
-    role = _backup_cluster.role(tf.distribute.get_strategy(), environ)
-    assert (role.writer, role.label) == (writer, f"{task['type']}:{task['index']}")
+    spec = ClusterSpec.of_process(tf.distribute.get_strategy(), environ)
+    assert (spec.is_writer, spec.task_label) == (writer, f"{task['type']}:{task['index']}")
 
 
 def test_sigterm_in_process_backs_up_next_step_and_exits_75(tmp_path, reference):

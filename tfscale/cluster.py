@@ -31,7 +31,7 @@ import os
 from collections.abc import Mapping
 from typing import Optional
 
-from tfscale import _hosts, _kubernetes, _slurm
+from tfscale import _hosts, _kubernetes, _slurm, _task_protocol
 from tfscale._cluster_errors import ClusterSpecError, describe
 
 __all__ = ["TASK_TYPES", "ClusterSpec", "ClusterSpecError"]
@@ -233,6 +233,18 @@ class ClusterSpec:
         return cls.local() if resolver is None else cls.from_resolver(resolver)
 
     @classmethod
+    def of_process(cls, strategy, environ=None):
+        """This process's task: the strategy's cluster, else `TF_CONFIG` in `environ` (or local).
+
+        The one answer to "who am I" for a running job: who writes backups and logs
+        (`is_writer`), its label (`task_label`, `task_file_label`), how many workers.
+        The environment counts for tasks whose strategy runs outside the cluster (an
+        evaluator's), which must not write either.
+        """
+        spec = cls.from_strategy(strategy)
+        return cls.from_env(environ, allow_unset=True) if spec.is_local else spec
+
+    @classmethod
     def from_tf_config(cls, config):
         """Parses a `TF_CONFIG` given as a JSON string or an already decoded dict.
 
@@ -271,7 +283,7 @@ class ClusterSpec:
                 blank, instead of raising.
         """
         environ = os.environ if environ is None else environ
-        text = environ.get("TF_CONFIG", "")
+        text = environ.get(_task_protocol.TF_CONFIG_VAR, "")
         if not text.strip():
             if allow_unset:
                 return cls.local()
@@ -346,7 +358,7 @@ class ClusterSpec:
         `<set>-<i>.<service>.<namespace>.svc.<cluster_domain>:<port>`.
         """
         environ = os.environ if environ is None else environ
-        if environ.get("TF_CONFIG", "").strip():
+        if environ.get(_task_protocol.TF_CONFIG_VAR, "").strip():
             return cls.from_env(environ)
         cluster, ordinal = _kubernetes.cluster_from_statefulset(
             environ,
@@ -421,6 +433,11 @@ class ClusterSpec:
     def task_label(self):
         """ "type:index" of this task, or "local" when this process is no task of a cluster."""
         return "local" if self.task_type is None else f"{self.task_type}:{self.task_index}"
+
+    @property
+    def task_file_label(self):
+        """ "type-index" of this task (for file and folder names), or "local"."""
+        return self.task_label.replace(":", "-")
 
     def to_resolver(self):
         """A `tf.distribute.cluster_resolver.SimpleClusterResolver` of this cluster and task.

@@ -1,42 +1,15 @@
-"""Who writes the backup in a cluster, and a check that every worker restored the same one."""
+"""Checks across a cluster's workers for backups: every worker restored the same one.
 
-import dataclasses
+Who writes the backup is `ClusterSpec.of_process(strategy).is_writer` (tfscale/cluster.py):
+the chief, or worker 0 when the cluster has no chief, or the only process when there is no
+cluster; other tasks never write to `backup_dir`.
+"""
 
 import tensorflow as tf
 
-from tfscale.cluster import ClusterSpec
 from tfscale.compat import tf_function_tracing
 
-__all__ = ["Role", "all_agree", "from_writer", "role"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Role:
-    """This process's place in the job, as far as backups care."""
-
-    task_type: str
-    task_id: int
-    num_workers: int
-    writer: bool
-
-    @property
-    def label(self):
-        return f"{self.task_type}:{self.task_id}"
-
-
-def role(strategy, environ=None):
-    """The task of this process: the strategy's cluster, else `TF_CONFIG` in `environ`.
-
-    `ClusterSpec.is_writer` decides who writes (the chief, or worker 0 when the cluster
-    has no chief, or the only process when there is no cluster); other tasks never
-    write to `backup_dir`. The environment counts for tasks whose strategy runs outside
-    the cluster (an evaluator's), which must not write either.
-    """
-    spec = ClusterSpec.from_strategy(strategy)
-    if spec.is_local:
-        spec = ClusterSpec.from_env(environ, allow_unset=True)
-    task_type, task_id = (spec.task_type, spec.task_index) if spec.task_type else ("worker", 0)
-    return Role(task_type, task_id, spec.num_workers or 1, spec.is_writer)
+__all__ = ["all_agree", "from_writer"]
 
 
 def all_agree(strategy, value):

@@ -11,12 +11,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfscale import _task_protocol
 from tfscale._save_policy import SavePolicy
 from tfscale.callbacks import _backup_cluster, _backup_placed
 from tfscale.callbacks._backup_lock import DirectoryLock, LockHeldError
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
 from tfscale.callbacks._backup_store import BackupStore, NpzShard, UnusableBackupError
 from tfscale.callbacks._backup_writer import BackgroundWriter, wait_for_directory
+from tfscale.cluster import ClusterSpec
 from tfscale.compat import keras_fit_position, keras_optimizer_zero, keras_symbolic_build, tf_function_tracing
 from tfscale.errors import Error
 
@@ -45,7 +47,7 @@ class BackupInUseError(BackupError):
     """`backup_dir` belongs to another job: held by a live one, or holding another job's backups."""
 
 
-JOB_ID_VAR = "TFSCALE_JOB_ID"  # set by tfscale-launch for its tasks (launch/jobs.py)
+JOB_ID_VAR = _task_protocol.JOB_ID_VAR  # set by tfscale-launch for its tasks (launch/jobs.py)
 
 
 class BackupWriteError(BackupError, OSError):
@@ -329,7 +331,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "model": _signature(model_vars),
             "optimizer": type(self.model.optimizer).__name__ if self.model.optimizer else None,
             "optimizer_variables": _signature(opt_vars),
-            "saved_by": self._role.label,
+            "saved_by": self._task.task_label,
             "job_id": self.job_id,
             "time": time.time(),
             "keras": keras.__version__,
@@ -410,7 +412,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         shards = self._snapshot()
         meta = self._meta(at_epoch_end)
         self._last_saved = self._global_step
-        if not self._role.writer:
+        if not self._task.is_writer:
             return
         job = functools.partial(
             self._write, self._global_step, meta, shards, reason, (self._epoch, self._step)
@@ -568,7 +570,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"Invalid `backup_dir={path!r}`: it exists and is not a directory. "
                 "Expected a directory path (new or existing)."
             )
-        if self._role.writer:
+        if self._task.is_writer:
             try:
                 os.makedirs(path, exist_ok=True)
             except OSError as e:
@@ -595,7 +597,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         """The writer locks `backup_dir` before anything in it is read; the others follow it."""
         self._lock = DirectoryLock(self.backup_dir, self.job_id)
         holder = None
-        if self._role.writer:
+        if self._task.is_writer:
             try:
                 self._lock.acquire()
             except LockHeldError as e:
@@ -603,7 +605,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             except OSError as e:
                 holder = f"a lock file tfscale cannot open ({e.strerror or e})"
         if self._multi_worker:
-            taken = _backup_cluster.from_writer(self.model.distribute_strategy, self._role.writer)(
+            taken = _backup_cluster.from_writer(self.model.distribute_strategy, self._task.is_writer)(
                 0.0 if holder else 1.0
             )
             if taken != 1.0 and holder is None:
@@ -620,8 +622,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._preemption.close()  # left by a `fit` that raised (no `on_train_end`)
             self._preemption = None
         strategy = self.model.distribute_strategy
-        self._role = _backup_cluster.role(strategy)
-        self._multi_worker = self._role.num_workers > 1 and isinstance(
+        self._task = ClusterSpec.of_process(strategy)  # who am I: who writes, my label
+        self._multi_worker = (self._task.num_workers or 1) > 1 and isinstance(
             strategy, tf.distribute.MultiWorkerMirroredStrategy
         )
         self._epoch, self._step, self._global_step, self._last_saved = 0, 0, 0, None
@@ -647,8 +649,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             strategy, backup.meta["global_step"] if backup else -1
         ):
             raise BackupError(
-                f"Workers found different backups in `backup_dir={self.backup_dir!r}` ({self._role.label} "
-                f"found {backup.path if backup else 'none'}). Expected a directory every worker can read."
+                f"Workers found different backups in `backup_dir={self.backup_dir!r}` "
+                f"({self._task.task_label} found {backup.path if backup else 'none'}). "
+                "Expected a directory every worker can read."
             )
         if backup is not None:
             self._restore(backup)
@@ -656,7 +659,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._policy = SavePolicy(self.save_freq, self.async_save)
         self._policy.start(self._global_step)  # the newest backup on disk (or the start)
         if self._policy.bounded and self._multi_worker:
-            self._agree = _backup_cluster.from_writer(strategy, self._role.writer)
+            self._agree = _backup_cluster.from_writer(strategy, self._task.is_writer)
         self._preemption = None
         if self.save_before_preemption:
             self._preemption = PreemptionWatch(
@@ -699,7 +702,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 if self._multi_worker:
                     lag = round(self._agree(lag))  # every worker snapshots at the same steps
                 policy.scheduled(self._global_step, done, lag)
-        if self._role.writer and policy.must_wait(self._global_step, done):
+        if self._task.is_writer and policy.must_wait(self._global_step, done):
             self._writer.wait()  # the write in flight is of this or a newer enough step
             self._raise_write_error()
 
@@ -717,10 +720,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         keras_fit_position.set_initial_epoch(self.model, None)
         self._writer.wait()  # `fit` returns only after its last backup is published
         self._raise_write_error()
-        if self.delete_checkpoint and self._role.writer:
+        if self.delete_checkpoint and self._task.is_writer:
             self._store.remove_all()
         self._lock.release(remove=True)  # a `fit` that raised keeps it until the next `fit` or exit
-        if self.delete_checkpoint and self._role.writer:
+        if self.delete_checkpoint and self._task.is_writer:
             try:
                 os.rmdir(self.backup_dir)  # only if that left it empty
             except OSError:

@@ -23,10 +23,8 @@ _BARRIER_TIMEOUT_S = 300
 
 
 def _task_label(strategy):
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not resolver.task_type:
-        return "local"
-    return f"{resolver.task_type}-{resolver.task_id}"
+    """This task's file label ("worker-1", or "local"): ClusterSpec answers who this is."""
+    return ClusterSpec.from_strategy(strategy).task_file_label
 
 
 class CommunicationProfiler(keras.callbacks.Callback):

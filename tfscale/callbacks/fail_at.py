@@ -7,7 +7,7 @@ import sys
 import keras
 
 from tfscale import _task_protocol
-from tfscale.callbacks import _backup_cluster
+from tfscale.cluster import ClusterSpec
 from tfscale.errors import Error
 
 __all__ = ["FailAt", "FailAtError", "InjectedFault"]
@@ -78,8 +78,8 @@ class FailAt(keras.callbacks.Callback):
                 return False
         if self.task is None:
             return True
-        role = _backup_cluster.role(self.model.distribute_strategy)
-        return (role.task_type, role.task_id) == self.task
+        task = ClusterSpec.of_process(self.model.distribute_strategy)
+        return (task.task_type or "worker", task.task_index or 0) == self.task
 
     def _global_step(self):
         return int(self.model.optimizer.iterations.numpy())

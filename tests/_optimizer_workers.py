@@ -36,7 +36,9 @@ def build_model(optimizer_options, optimizer="adam"):
     model = keras.Sequential(
         [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)]
     )
-    cls = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD}[optimizer]
+    cls = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD, "nadam": keras.optimizers.Nadam}[
+        optimizer
+    ]
     opt = cls(0.05, **optimizer_options)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model

@@ -77,6 +77,18 @@ def test_mixed_float16_loss_scaling_matches_one_device(option):
     assert _max_difference(got, _reference(option, optimizer="sgd", mixed=True)) < 2e-3
 
 
+# Nadam advances `_u_product` in its `_backend_update_step` override before `super()`;
+# the fix once called `update_step` directly, left it at 1.0 and divided by 1 - 1.0 (NaN).
+# The plain, accumulating (update every k-th step, in a cond), EMA-overwrite and ZeRO
+# stage 2 (sharded update) paths each reach the override.
+@pytest.mark.parametrize(
+    ("option", "zero_stage"), [("plain", 0), ("accumulation", 0), ("ema", 0), ("accumulation", 2)]
+)
+def test_mirrored_nadam_matches_one_device(option, zero_stage):
+    got = _train("mirrored", option, optimizer="nadam", cpu_replicas=2, zero_stage=zero_stage)
+    assert _max_difference(got, _reference(option, optimizer="nadam")) < 1e-6
+
+
 def test_hand_built_strategy_needs_one_explicit_call():
     import tfscale.compat
     import tfscale.strategies

@@ -32,8 +32,6 @@ _BN = _MIRRORED + "each replica normalises its half of the batch by that half's 
 _DROPOUT = _MIRRORED + "each replica draws its own Dropout mask"
 _UNEVEN = _MIRRORED + "Keras weighs each replica's mean loss equally on an uneven last batch (README)"
 _MASKED = _MIRRORED + "Keras averages a masked per-timestep loss per replica, not over the batch"
-_NAN = _MIRRORED + "open, not investigated: the loss is NaN"
-_OPEN = _MIRRORED + "open, not investigated"
 KNOWN = {
     "mirrored-1-2-muon-clipnorm-batchnorm-metrics_masked": _BN,
     "mirrored-1-2-adagrad-weight_decay-gru_timestep_masked-fit": _MASKED,
@@ -44,9 +42,7 @@ KNOWN = {
     "mirrored-1-2-loss_scale-clipnorm-regularizers-uneven_tf_data": _UNEVEN,
     "mirrored-1-2-sgd_nesterov-lr_schedule-batchnorm-steps_per_execution": _BN,
     "mirrored-1-2-muon-accumulation-dropout-predict": _DROPOUT,
-    "mirrored-1-2-nadam-lr_schedule-regularizers-sample_weight": _NAN,
     "mirrored-1-2-sgd-clipvalue-batchnorm-save_load_weights": _BN,
-    "mirrored-1-2-nadam-ema-embedding_mask_zero-evaluate": _OPEN,
     "mirrored-1-2-adadelta-lr_schedule-batchnorm-sample_weight": _BN,
     "mirrored-1-2-muon-accumulation-attention-uneven_numpy": _UNEVEN,
     "mirrored-1-2-adagrad-ema-custom-uneven_numpy": _UNEVEN,

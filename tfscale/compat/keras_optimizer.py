@@ -33,6 +33,18 @@ communication, the update step all-reduces the accumulated sum once, and a
 checkpoint (or `tfscale.callbacks.BackupAndRestore`) saves the cross-replica sum
 and restores sum/num_replicas per replica, which all-reduces to the same total.
 
+`update_step` is reached through the optimizer's own `_backend_update_step`, as Keras
+reaches it (ZeRO's sharded update too), and TFOptimizer's version (all-reduce, then
+`merge_call`) becomes the local loop there: a subclass's per-step work before its
+`super()` call runs once a step, as on one device. Nadam advances its momentum-schedule
+product `_u_product` in that override (Keras 3.15.1, keras/src/optimizers/nadam.py).
+Calling `update_step` directly, as this fix once did, left `_u_product` at 1.0: the
+first update divided by `1 - 1.0` and the loss was NaN. Reproducer: Dense(1) on 4
+inputs, Nadam(0.02), mse, 16 samples in batches of 8, `MirroredStrategy` on 2 CPUs after
+`apply_optimizer_fixes()`: loss NaN and `_u_product` 1.0 after 2 steps, against 2.0668 and
+0.2271 on one device (stock Keras under the strategy gives the same as one device).
+Gate: this fix's own; `test_mirrored_nadam_matches_one_device` fails without it.
+
 `tfscale.strategies.get("mirrored" | "multi_worker")` applies it; users who build
 those strategies by hand call `tfscale.compat.apply_optimizer_fixes()` once.
 """
@@ -152,8 +164,19 @@ def _local_update(optimizer, grads, variables):
     _, base_optimizer, _ = _modules()
     grads = optimizer._clip_gradients(grads)
     base_optimizer.BaseOptimizer._apply_weight_decay(optimizer, variables)
-    for grad, variable in zip(grads, variables):
-        optimizer.update_step(grad, variable, optimizer.learning_rate)
+    optimizer._backend_update_step(grads, variables, optimizer.learning_rate)
+
+
+def _make_backend_update_step(original):
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        if not _active():
+            return original(self, grads, trainable_variables, learning_rate)
+        # Reached from `_backend_apply_gradients` below, through a subclass's override
+        # (Nadam's): the gradients are summed already, each replica updates its own copies.
+        for grad, variable in zip(grads, trainable_variables):
+            self.update_step(grad, variable, learning_rate)
+
+    return _backend_update_step
 
 
 def _accumulate(optimizer, grads, variables, apply):
@@ -320,6 +343,7 @@ def apply():
     cls, lso = tf_optimizer.TFOptimizer, loss_scale_optimizer.LossScaleOptimizer
     originals = {
         (cls, "_backend_apply_gradients"): cls._backend_apply_gradients,
+        (cls, "_backend_update_step"): cls._backend_update_step,
         (cls, "add_variable_from_reference"): cls.add_variable_from_reference,
         (lso, "_tf_apply"): lso._tf_apply,
         (
@@ -328,6 +352,7 @@ def apply():
         ): cls._overwrite_model_variables_with_average_value,
     }
     cls._backend_apply_gradients = _make_backend_apply_gradients(cls._backend_apply_gradients)
+    cls._backend_update_step = _make_backend_update_step(cls._backend_update_step)
     cls.add_variable_from_reference = _make_add_variable_from_reference(cls.add_variable_from_reference)
     lso._tf_apply = _make_loss_scale_tf_apply(lso._tf_apply)
     cls._overwrite_model_variables_with_average_value = _make_overwrite_with_average_value(

@@ -18,9 +18,10 @@ the strategy (`set_stage`), `keras_optimizer`'s patched methods call this module
   clipping (stage 1: on the summed gradient, as Keras; stage 2: on the shards, each norm
   a sum of the shards' squares over replicas, one small all-reduce) and weight decay as
   Keras does them; then the user's optimizer's own `update_step(grad_shard,
-  param_shard, lr)` (its slots are found through `_trainable_variables_indices`, where the
-  shard is registered under its variable's index); then one all-gather of all updated
-  parameter shards writes the full parameters into every replica's copy.
+  param_shard, lr)`, reached through its `_backend_update_step` as Keras reaches it (its
+  slots are found through `_trainable_variables_indices`, where the shard is registered
+  under its variable's index); then one all-gather of all updated parameter shards
+  writes the full parameters into every replica's copy.
 - Stage 2 also shards `gradient_accumulation_steps`'s accumulators: each micro-step's
   gradient is summed over replicas and only the shard is kept.
 
@@ -244,13 +245,17 @@ class Step:
 
         optimizer = self.optimizer
         base_optimizer.BaseOptimizer._apply_weight_decay(optimizer, variables)
-        for grad, variable in zip(grads, variables):
+        targets = []
+        for variable in variables:
             shard = self.param_shard(variable)
             if shard is None:  # No slots (SGD without momentum): nothing to shard.
-                optimizer.update_step(grad, variable, optimizer.learning_rate)
+                targets.append(variable)
                 continue
             shard.assign(self.slice(variable))
-            optimizer.update_step(grad, shard, optimizer.learning_rate)
+            targets.append(shard)
+        # Through the optimizer's own `_backend_update_step` (keras_optimizer makes it the
+        # local loop): Nadam advances its `_u_product` there, once a step.
+        optimizer._backend_update_step(grads, targets, optimizer.learning_rate)
 
     def ema(self):
         optimizer = self.optimizer

@@ -107,7 +107,11 @@ def test_input_compute_and_allreduce_add_up_to_the_measured_step_time(tmp_path):
     report = profiler.report
     assert len(report["steps"]) == 8
     for step in report["steps"]:
-        assert step["input_s"] > 0 and step["allreduce_s"] > 0 and step["compute_s"] > step["host_s"] >= 0
+        assert step["input_s"] >= 0 and step["allreduce_s"] > 0, step
+        assert step["compute_s"] > step["host_s"] >= 0, step
+    # All-reduce takes priority over input: a step whose get_next ran wholly inside another
+    # replica's all-reduce counts no input (CI, under load: one step of 8 read input_s 0.0).
+    assert sum(step["input_s"] for step in report["steps"]) > 0
     # step_s is the wall clock around the profiled steps, measured apart from the trace: it
     # also holds Keras's loop between steps, which grows when another process shares the
     # cores (under `pytest -n 2` it reached 12% of a step: 0.00907 s traced, 0.01036 s wall).

@@ -14,7 +14,7 @@ Tiers (the `slow` marker, pyproject.toml):
   marked `slow` -- more clusters, more kill points, the launcher and elastic variants,
   the hostile and chaos cases. Mark a new test `slow` when it starts TensorFlow
   subprocesses or takes more than a few seconds, and keep a quick representative of it
-  in the fast tier.
+  in the fast tier (for a parametrized test: `FAST_REPRESENTATIVES` in its module, below).
 
 Two workers (pytest-xdist, README's command `pytest -n 2`): the tests are single-threaded
 enough that a 2-core machine runs two at once. A module's tests stay in one worker
@@ -64,9 +64,23 @@ def marker():
     assert leftovers(value) == [], "processes started by the test outlived it"
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
 def pytest_collection_modifyitems(config, items):
-    """Keeps each module's tests on one xdist worker unless the module spreads them."""
+    """Keeps each module's tests on one xdist worker unless the module spreads them, and
+    keeps the fast tier's representatives: a module's `FAST_REPRESENTATIVES` maps a
+    parametrized test's name to how many of its cases (the first ones collected, not
+    already slow) stay in the fast tier; the others are marked `slow` (full run only)."""
+    kept = {}
     for item in items:
         module = getattr(item, "module", None)
-        if module is not None and not getattr(module, "SPREAD_OVER_WORKERS", False):
+        if module is None:
+            continue
+        if not getattr(module, "SPREAD_OVER_WORKERS", False):
             item.add_marker(pytest.mark.xdist_group(module.__name__))
+        keep = getattr(module, "FAST_REPRESENTATIVES", {}).get(getattr(item, "originalname", None))
+        if keep is None or item.get_closest_marker("slow") is not None:
+            continue
+        key = (module.__name__, item.originalname)
+        kept[key] = kept.get(key, 0) + 1
+        if kept[key] > keep:
+            item.add_marker(pytest.mark.slow)

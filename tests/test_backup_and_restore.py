@@ -25,6 +25,13 @@ import tfscale.callbacks
 from tfscale.callbacks import _backup_store, _backup_writer
 from tfscale.launch import run_local_cluster
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_inconsistent_newest_backup_is_torn_and_falls_back": 2,
+    "test_resumes_from_a_backup_at_the_last_step_of_an_epoch": 1,
+}
+
 TOTAL_STEPS = 48  # 3 epochs x 16 steps (128 samples, batch 8)
 STATE = "shard-00000.npz"  # the one shard of a model on one device
 SCRIPT = os.path.join(os.path.dirname(__file__), "_backup_workers.py")
@@ -734,6 +741,7 @@ import os, sys, time
 sys.path.insert(0, {tests!r})
 import _backup_workers as workers
 import tfscale.callbacks
+
 for _ in range({failed_fits}):
     try:
         workers.train({backup_dir!r}, fail={{"step": 6, "mode": "raise"}})

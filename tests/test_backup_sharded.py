@@ -132,6 +132,7 @@ def test_damaged_second_shard_assigns_nothing_from_the_first(tmp_path):
     _assert_equal(_state(model), before)  # shard-00000 (intact) was not assigned either
 
 
+@pytest.mark.slow  # 14 s; the format-2 restore tests stay in the fast tier
 def test_format_1_backup_still_restores_exactly(tmp_path, reference):
     """A backup from before sharding (one state.npz, "files" in the manifest) resumes."""
     backup_dir = _interrupted(tmp_path)

@@ -9,6 +9,12 @@ import tensorflow as tf
 from tfscale.strategies import StrategyError, get
 from tfscale.strategies._communication import traced_all_reduces
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_compression_sends_half_the_bytes": 1,
+}
+
 
 def _traced_step_launches(strategy, option="plain"):
     """Launches of one traced training step (per replica), after fit built the model."""

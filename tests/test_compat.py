@@ -18,6 +18,12 @@ import tfscale.compat
 from tfscale.compat import keras_multi_worker
 from tfscale.strategies import get
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_steps_per_execution_under_mirrored_trains_and_evaluates_as_one_device": 1,
+}
+
 
 @pytest.mark.parametrize(
     ("version", "fixed_in", "needed"),

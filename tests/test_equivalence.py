@@ -18,6 +18,12 @@ import pytest
 
 from tfscale import errors
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_mode_equals_plain_keras_pairwise": 12,
+}
+
 # The cases share nothing but a cache of reference runs: xdist deals them out one by one.
 SPREAD_OVER_WORKERS = True
 PASS = ("EQUAL", "REFUSED", "N/A")

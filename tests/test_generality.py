@@ -18,6 +18,13 @@ import pytest
 
 from tfscale import strategies
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_model_trains_like_the_unsplit_model": 4,
+}
+
+
 LOSS_RTOL, WEIGHT_ATOL, STEPS, BATCH = 1e-5, 2e-5, 2, 8
 MODES = ("gpipe", "1f1b", "layer", "tensor")
 

@@ -33,6 +33,12 @@ import pytest
 import tfscale.callbacks
 from tfscale.callbacks import _backup_store
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_foreign_entries_are_left_alone_and_cost_one_line_at_most": 1,
+}
+
 TOTAL_STEPS = 48
 
 
@@ -328,6 +334,7 @@ def workers_max_diff(a, b):
 
 _HOLDER = """
 import fcntl, json, os, socket, sys, time
+
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
 fcntl.flock(fd, fcntl.LOCK_EX)
 os.ftruncate(fd, 0)

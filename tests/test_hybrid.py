@@ -16,6 +16,13 @@ import tfscale.strategies
 from tfscale.strategies import PipelineStrategy, StrategyError
 from tfscale.strategies._placement import variable_device
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_pipeline_x_data_parallel_trains_like_one_device": 1,
+}
+
+
 RTOL, ATOL = 1e-5, 1e-5
 EPOCHS, BATCH, SAMPLES = 2, 16, 32
 SEQ, VOCAB, WIDTH = 6, 11, 8

@@ -23,6 +23,13 @@ from tfscale.strategies import (
     VocabParallelEmbedding,
 )
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_split_trains_like_the_unsplit_model": 2,
+}
+
+
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 2e-5
 EPOCHS, SEQ, VOCAB, WIDTH = 3, 6, 32, 16
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]

@@ -24,6 +24,14 @@ from tfscale.strategies._placement import variable_device
 from tfscale.strategies.pipeline import schedules as _schedule
 from tfscale.strategies.pipeline import timeline as _timeline
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_training_equals_unsplit_model": 4,
+    "test_deferred_batch_norm_moving_statistics_equal_the_unsplit_models": 2,
+}
+
+
 RTOL, ATOL = 1e-5, 1e-6
 EPOCHS, BATCH, SAMPLES = 3, 16, 32
 

@@ -17,6 +17,13 @@ import tensorflow as tf
 import tfscale.strategies
 from tfscale.strategies import BalanceError, StrategyError
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_repeated_embedding_tokens_train_as_in_keras": 2,
+}
+
+
 RTOL, ATOL = 1e-5, 1e-6
 EPOCHS = 2
 

@@ -23,6 +23,14 @@ from tfscale.strategies.pipeline import schedules
 from tfscale.strategies.pipeline import timeline as _timeline
 from tfscale.strategies.pipeline.schedules import Kind, Op
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_new_schedules_train_like_unsplit_model": 2,
+    "test_live_activations_within_the_bound_in_a_measured_run": 1,
+}
+
+
 _NEW = [("interleaved", 2), ("zb-h1", 1)]
 _LAYERS = {"mlp": 4, "cnn": 6}
 

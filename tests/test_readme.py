@@ -19,6 +19,12 @@ from typing import Optional
 
 import pytest
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_readme_block_runs_as_written": 8,
+}
+
 REPO = Path(__file__).resolve().parent.parent
 # README first, then the site's pages.
 PAGES = ("README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")))

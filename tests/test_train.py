@@ -18,6 +18,12 @@ from tfscale.callbacks import LearningRateWarmup, StepTimer
 from tfscale.launch import run_local_cluster
 from tfscale.train import RESULT_PREFIX, TrainConfig, train
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_profile_steps_works_with_strategies_that_place_their_own_devices": 1,
+}
+
 QUICK = ("--epochs=3", "--global_batch_size=64", "--seed=0")
 CHILD_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 

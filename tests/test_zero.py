@@ -11,6 +11,13 @@ import tfscale.strategies
 from tfscale.compat.keras_optimizer_zero import ZeroError
 from tfscale.strategies import StrategyError
 
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_zero_trains_to_one_device_and_stage_0_weights": 3,
+}
+
+
 ATOL = 1e-6
 OPTIMIZERS = {
     "sgd_momentum": lambda **o: keras.optimizers.SGD(0.1, momentum=0.9, **o),

@@ -79,3 +79,25 @@ def test_a_worker_that_dies_fails_the_run_at_once(tmp_path):
         pytest.fail("a run with a dead worker did not end within 120 s")
     assert run.returncode == 1, run.stdout[-2000:]
     assert "crashed while running 'test_dying.py::test_dies[2]'" in run.stdout, run.stdout[-2000:]
+
+
+def _collected(*args):
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def test_fast_representatives_keep_the_first_n_cases_in_the_fast_tier_and_all_in_the_full_run():
+    # tests/test_zero.py keeps 3 cases of its optimizer-option comparison in the fast tier.
+    name = "tests/test_zero.py::test_zero_trains_to_one_device_and_stage_0_weights"
+    everything = [t for t in _collected("tests/test_zero.py") if t.startswith(name + "[")]
+    fast = [t for t in _collected("tests/test_zero.py", "-m", "not slow") if t.startswith(name + "[")]
+    slow = [t for t in _collected("tests/test_zero.py", "-m", "slow") if t.startswith(name + "[")]
+    assert len(fast) == 3 and fast == everything[:3]
+    assert sorted(fast + slow) == sorted(everything) and len(everything) > 3

@@ -66,7 +66,7 @@ class Case:
 
     def start(self, flags, sleep=0.0, **task_env):
         env = dict(os.environ, PYTHONUNBUFFERED="1", SLEEP=str(sleep), **{MARKER: self.marker}, **task_env)
-        self.started = time.monotonic()
+        self.started, self.started_uptime, self.ended = time.monotonic(), _uptime(), None
         self.proc = subprocess.Popen(
             [LAUNCHER, "--host_discovery", str(self.script), *flags, "--", sys.executable, "-c", TASK],
             env=env,
@@ -110,6 +110,7 @@ class Case:
             raise AssertionError(f"the launcher was still running after {bound:g}s:\n{tail}") from None
         finally:
             self.elapsed = time.monotonic() - self.started
+            self.ended = _uptime()
         self.output = out.decode("utf-8", "replace")
         assert "Traceback" not in self.output, self.output[-3000:]
         alive = self._alive()
@@ -119,7 +120,19 @@ class Case:
         return self.proc.returncode, self.output
 
     def _recorded(self):
-        return [int(p) for p in self.pids.read_text().split()] if self.pids.exists() else []
+        """The live pids the script recorded that are still its processes.
+
+        pid_max is 32768 here and the suite's TensorFlow processes spend pids fast (a thread
+        takes one too), so a recorded pid can name a newer process or thread by the time it
+        is checked: seen once, the script's leader, reaped by the launcher before it exited,
+        read as alive. A pid counts only while it names a process started within the case.
+        """
+        if not self.pids.exists():
+            return []
+        end = self.ended if self.ended is not None else _uptime()
+        return [
+            p for p in map(int, self.pids.read_text().split()) if _started_within(p, self.started_uptime, end)
+        ]
 
     def _alive(self):
         alive = [p for p in self._recorded() if _is_alive(p)]
@@ -132,6 +145,26 @@ class Case:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def _uptime():
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0])
+
+
+def _started_within(pid, begin, end):
+    """Whether `pid` is a process (not another process's thread) started between `begin` and
+    `end` (seconds since boot, one clock tick of slack)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            if f"Tgid:\t{pid}\n" not in f.read():
+                return False
+        with open(f"/proc/{pid}/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return False
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    return begin - tick <= started <= end + tick
 
 
 def _is_alive(pid):

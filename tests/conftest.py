@@ -18,9 +18,10 @@ Tiers (the `slow` marker, pyproject.toml):
 
 Two workers (pytest-xdist, README's command `pytest -n 2`): the tests are single-threaded
 enough that a 2-core machine runs two at once. A module's tests stay in one worker
-(`xdist_group`, below), so its module-scoped clusters and reference runs are built once; a
-module whose tests share nothing expensive sets `SPREAD_OVER_WORKERS = True` and its tests
-are dealt out one by one, to fill the tail of the run (the equivalence cases). Every test
+(`xdist_group`, below; pytest < 9, see setup.cfg), so its module-scoped clusters and
+reference runs are built once; a module whose tests share nothing expensive sets
+`SPREAD_OVER_WORKERS = True` and its tests are dealt out one by one, to fill the tail of
+the run (the equivalence cases). Every test
 must hold on either worker: free ports picked at run time, files under its own tmp_path.
 
 No garbage-collection settings and no early exit: an interrupted `fit`'s input (a tf.data

@@ -398,14 +398,14 @@ def bubble_fraction(spans, num_stages):
     return 1.0 - busy / (num_stages * span) if span > 0 else 0.0
 
 
-def theoretical_bubble(num_stages, num_microbatches, schedule=None, virtual_stages=1):
+def theoretical_bubble(
+    num_stages, num_microbatches, schedule=_spec.PipelineOptions.schedule, virtual_stages=1
+):
     """The schedule's idle share of the step for equal op times (as registered).
 
     GPipe and 1F1B: (S - 1) / (M + S - 1); interleaved: (S - 1) / (V M + S - 1); ZB-H1 with
-    t_F = t_B = t_W: (S - 1) / (3 M + S - 1). `schedule` None: the pipeline's default one.
+    t_F = t_B = t_W: (S - 1) / (3 M + S - 1). `schedule` defaults to the pipeline's.
     """
-    if schedule is None:
-        schedule = _spec.OPTIONS["pipeline"]().schedule
     return _registered(schedule).bubble(num_stages, num_microbatches, virtual_stages)
 
 

@@ -1,4 +1,9 @@
-"""`get(name, **options)`: the real tf.distribute strategies, configured well."""
+"""`get(name, **options)`: the real tf.distribute strategies, configured well.
+
+The names, each strategy's options (a frozen dataclass with their types and defaults) and
+their closed sets of values are `tfscale._strategy_spec`'s; `get` checks the options
+against it, builds the dataclass, and hands it to the strategy's builder here.
+"""
 
 import dataclasses
 import inspect
@@ -9,6 +14,7 @@ import urllib.parse
 
 import tensorflow as tf
 
+from tfscale import _strategy_spec as _spec
 from tfscale._auto import choose as _choose_auto
 from tfscale._auto import tpu_named as _tpu_named
 from tfscale.cluster import ClusterSpec
@@ -30,22 +36,18 @@ from tfscale.strategies._devices import (
 )
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._options import positive_int, reject_unknown
-from tfscale.strategies._peers import DEFAULT_CLUSTER_TIMEOUT, build_within, check_cluster_timeout
+from tfscale.strategies._peers import build_within, check_cluster_timeout
 from tfscale.strategies._replicas import check_data_parallel
 
 __all__ = ["NAMES", "get"]
 
 _log = logging.getLogger("tfscale")
 
+# TensorFlow's class for each of `_spec.CROSS_DEVICE_OPS`.
 _CROSS_DEVICE_OPS = {
     "nccl": tf.distribute.NcclAllReduce,
     "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
     "reduction_to_one_device": tf.distribute.ReductionToOneDevice,
-}
-_COMMUNICATION = {
-    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
 _TPU_PROBE_SECONDS = 5.0
 
@@ -63,7 +65,8 @@ def _num_gpus():
     return len(tf.config.list_physical_devices("GPU"))
 
 
-def _default():
+def _default(options):
+    del options  # DefaultOptions: none
     return tf.distribute.get_strategy()
 
 
@@ -85,29 +88,22 @@ def _local_devices(devices, argument):
     return names
 
 
-def _one_device(*, device=None):
+def _one_device(options):
+    device = options.device
     if device is None:
         device = "/gpu:0" if _num_gpus() else "/cpu:0"
     (name,) = _local_devices([device], "device")
     return tf.distribute.OneDeviceStrategy(name)
 
 
-def _mirrored(
-    *,
-    devices=None,
-    num_gpus=None,
-    cross_device_ops=None,
-    cpu_replicas=None,
-    gradient_compression=None,
-    bytes_per_pack=0,
-    timeout_seconds=None,
-    zero_stage=0,
-):
-    zero_stage = _zero.check_stage(zero_stage)
+def _mirrored(options):
+    devices, num_gpus, cpu_replicas = options.devices, options.num_gpus, options.cpu_replicas
+    cross_device_ops = options.cross_device_ops
+    zero_stage = _zero.check_stage(options.zero_stage)
     communication = _communication.Communication(
-        gradient_compression=gradient_compression,
-        bytes_per_pack=bytes_per_pack,
-        timeout_seconds=timeout_seconds,
+        gradient_compression=options.gradient_compression,
+        bytes_per_pack=options.bytes_per_pack,
+        timeout_seconds=options.timeout_seconds,
     )
     exclusive = (("devices", devices), ("num_gpus", num_gpus), ("cpu_replicas", cpu_replicas))
     given = [k for k, v in exclusive if v is not None]
@@ -134,7 +130,7 @@ def _mirrored(
         devices = _local_devices(devices, "devices")
     ops = None
     if cross_device_ops is not None:
-        _choice("cross_device_ops", cross_device_ops, _CROSS_DEVICE_OPS)
+        _choice("cross_device_ops", cross_device_ops, _spec.CROSS_DEVICE_OPS)
         if cross_device_ops == "nccl" and not _num_gpus():
             raise StrategyError(
                 "`cross_device_ops='nccl'` needs GPUs and none is visible here. "
@@ -157,19 +153,11 @@ def _positive_number(value):
     return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
 
 
-def _multi_worker(
-    *,
-    cluster,
-    communication="auto",
-    timeout_seconds=None,
-    cluster_resolver=None,
-    cpu_replicas=None,
-    gradient_compression=None,
-    bytes_per_pack=0,
-    cluster_timeout=DEFAULT_CLUSTER_TIMEOUT,
-):
-    _choice("communication", communication, _COMMUNICATION)
-    cluster_timeout = check_cluster_timeout(cluster_timeout)
+def _multi_worker(options, cluster):
+    communication, timeout_seconds = options.communication, options.timeout_seconds
+    cluster_resolver, cpu_replicas = options.cluster_resolver, options.cpu_replicas
+    _choice("communication", communication, _spec.COMMUNICATIONS)
+    cluster_timeout = check_cluster_timeout(options.cluster_timeout)
     if timeout_seconds is not None and not _positive_number(timeout_seconds):
         raise StrategyError(
             f"Invalid value for argument `timeout_seconds`. Received: "
@@ -177,14 +165,14 @@ def _multi_worker(
         )
     if cpu_replicas is not None:
         split_cpu(cpu_replicas)
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=_COMMUNICATION[communication], timeout_seconds=timeout_seconds
+    collectives = tf.distribute.experimental.CommunicationOptions(
+        implementation=_communication.IMPLEMENTATIONS[communication], timeout_seconds=timeout_seconds
     )
     if cluster_resolver is None and not cluster.is_local:
         cluster_resolver = cluster.to_resolver()  # Else TensorFlow's default: one local worker.
     gradients = _communication.Communication(
-        gradient_compression=gradient_compression,
-        bytes_per_pack=bytes_per_pack,
+        gradient_compression=options.gradient_compression,
+        bytes_per_pack=options.bytes_per_pack,
         timeout_seconds=timeout_seconds,
         implementation=communication,
     )
@@ -194,7 +182,7 @@ def _multi_worker(
         cluster,
         cluster_timeout,
         lambda: keras_multi_worker.make_multi_worker_strategy(
-            cluster_resolver=cluster_resolver, communication_options=options, cpu_replicas=cpu_replicas
+            cluster_resolver=cluster_resolver, communication_options=collectives, cpu_replicas=cpu_replicas
         ),
     )
     _communication.configure(strategy, **dataclasses.asdict(gradients))
@@ -212,7 +200,8 @@ def _probe(address):
         raise StrategyError(f"No TPU reachable at `tpu={address!r}`: {e}.") from None
 
 
-def _tpu(*, tpu=None):
+def _tpu(options):
+    tpu = options.tpu
     if tpu is not None and not isinstance(tpu, str):
         raise StrategyError(
             f"Invalid value for argument `tpu`. Received: tpu={tpu!r}. Expected a TPU name or a "
@@ -231,16 +220,9 @@ def _tpu(*, tpu=None):
     return tf.distribute.TPUStrategy(resolver)
 
 
-def _auto(
-    *,
-    cluster,
-    cpu_replicas=None,
-    tpu=None,
-    communication="auto",
-    timeout_seconds=None,
-    cluster_timeout=DEFAULT_CLUSTER_TIMEOUT,
-):
-    cluster_timeout = check_cluster_timeout(cluster_timeout)
+def _auto(options, cluster):
+    cpu_replicas, tpu = options.cpu_replicas, options.tpu
+    cluster_timeout = check_cluster_timeout(options.cluster_timeout)
     gpus = _num_gpus()
     name, reason = _choose_auto(
         tpu=_tpu_named(tpu, os.environ) or bool(tf.config.list_physical_devices("TPU")),
@@ -250,61 +232,65 @@ def _auto(
     )
     _log.info("strategy auto -> %s (%s)", name, reason)
     if name == "tpu":
-        return _tpu(tpu=tpu)
+        return _tpu(_spec.TPUOptions(tpu=tpu))
     if name == "multi_worker":
         return _multi_worker(
-            cluster=cluster,
-            communication=communication,
-            timeout_seconds=timeout_seconds,
-            cpu_replicas=cpu_replicas,
-            cluster_timeout=cluster_timeout,
+            _spec.MultiWorkerOptions(
+                communication=options.communication,
+                timeout_seconds=options.timeout_seconds,
+                cpu_replicas=cpu_replicas,
+                cluster_timeout=cluster_timeout,
+            ),
+            cluster,
         )
     if name == "mirrored":
-        return _mirrored(cpu_replicas=cpu_replicas) if cpu_replicas else _mirrored()
+        return _mirrored(_spec.MirroredOptions(cpu_replicas=cpu_replicas or None))
     if cpu_replicas:
         split_cpu(cpu_replicas)
-    return _one_device(device="/gpu:0" if gpus else cpu_device_names(1)[0])
+    return _one_device(_spec.OneDeviceOptions(device="/gpu:0" if gpus else cpu_device_names(1)[0]))
 
 
-def _on_cpus(name, options, cpu_replicas, count_argument, per_copy):
-    """`options` with `devices`: the first D x `per_copy` of `cpu_replicas` logical CPU devices.
+def _class_options(name, options):
+    """The keyword arguments of strategy `name`'s class, with get's `cpu_replicas=N` made `devices`.
 
     `cpu_replicas=N` means for the model-parallel strategies what it means for mirrored: the
-    host CPU is split into N logical devices, and the strategy runs on them (not on GPUs).
+    host CPU is split into N logical devices, and the strategy runs on the first D x K of them
+    (K the devices of one copy, `_spec.copy_devices`), not on GPUs.
     """
+    kwargs = {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}
+    cpu_replicas = kwargs.pop("cpu_replicas")
     if cpu_replicas is None:
-        return options
-    if options.get("devices") is not None:
+        return kwargs
+    if options.devices is not None:
         raise StrategyError(
             f"Arguments `devices` and `cpu_replicas` of strategy {name!r} exclude each other. "
             "Expected at most one of them."
         )
     names = split_cpu(cpu_replicas)
-    data_parallel = positive_int("data_parallel", options.get("data_parallel", 1))
+    data_parallel = positive_int("data_parallel", options.data_parallel)
+    count_argument, per_copy = _spec.copy_devices(name, options)
     if per_copy is None:
         per_copy = len(names) // data_parallel or 1
     positive_int(count_argument, per_copy)
     check_data_parallel(data_parallel, per_copy, len(names), count_argument=count_argument)
-    options = {k: v for k, v in options.items() if k != "num_devices"}
-    return {**options, "devices": names[: data_parallel * per_copy]}
+    kwargs.pop("num_devices", None)  # model_split: the devices given now say K
+    return {**kwargs, "devices": names[: data_parallel * per_copy]}
 
 
-def _pipeline(*, cpu_replicas=None, **options):
+def _pipeline(options):
     from tfscale.strategies.pipeline import PipelineStrategy
 
-    # S devices per copy: with virtual stages each device holds V chunks. The strategy
-    # rejects unknown options itself (direct use too).
-    per_copy = options.get("num_stages", 2)
-    return PipelineStrategy(**_on_cpus("pipeline", options, cpu_replicas, "num_stages", per_copy))
+    return PipelineStrategy(**_class_options("pipeline", options))
 
 
-def _model_split(*, cpu_replicas=None, **options):
+def _model_split(options):
     from tfscale.strategies.model_split import ModelSplitStrategy
 
-    per_copy = options.get("num_devices")
-    return ModelSplitStrategy(**_on_cpus("model_split", options, cpu_replicas, "num_devices", per_copy))
+    return ModelSplitStrategy(**_class_options("model_split", options))
 
 
+# The builder of each name of `_spec.NAMES`: `builder(options)`, or `builder(options, cluster)`
+# for the strategies that run in a cluster; `options` is the name's `_spec.OPTIONS` dataclass.
 _BUILDERS = {
     "auto": _auto,
     "default": _default,
@@ -315,21 +301,7 @@ _BUILDERS = {
     "pipeline": _pipeline,
     "model_split": _model_split,
 }
-NAMES = tuple(_BUILDERS)
-
-
-def _accepted(builder):
-    params = inspect.signature(builder).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None  # A class's builder checks against the class, imported only when asked for.
-    return [p.name for p in params if p.name != "cluster"]  # `cluster` is get's own argument.
-
-
-def _check_options(name, accepted, options):
-    """A StrategyError (not Python's TypeError) for an option the strategy does not take."""
-    if accepted is None:
-        return  # It takes **options and checks them itself.
-    reject_unknown(name, set(options) - set(accepted), accepted)
+NAMES = _spec.NAMES
 
 
 def _cluster(cluster):
@@ -355,8 +327,10 @@ def get(name="auto", *, cluster=None, **options):
         cluster: the `tfscale.cluster.ClusterSpec` of this process, which "auto" and
             "multi_worker" run in. Default: `ClusterSpec.from_env(allow_unset=True)`,
             the `TF_CONFIG` of the environment, else one local process.
-        **options: options of that strategy (see the README's table), e.g.
-            `cpu_replicas=2` to replicate over 2 logical CPU devices.
+        **options: options of that strategy, the fields of its frozen dataclass
+            `tfscale._strategy_spec.OPTIONS[name]` (types and defaults there; the
+            table in docs/strategies.md), e.g. `cpu_replicas=2` to replicate over 2
+            logical CPU devices.
 
     Returns:
         A `tf.distribute.Strategy` for the built-in names; a
@@ -375,14 +349,17 @@ def get(name="auto", *, cluster=None, **options):
     >>> strategy.num_replicas_in_sync
     2
     """
-    if not isinstance(name, str) or name not in _BUILDERS:
+    if not isinstance(name, str) or name not in _spec.OPTIONS:
         raise StrategyError(f"Unknown strategy name. Received: name={name!r}. Expected one of {list(NAMES)}.")
-    builder = _BUILDERS[name]
     if "zero_stage" in options:
         _zero.check_strategy(name, options["zero_stage"])
-    _check_options(name, _accepted(builder), options)
+    # A StrategyError (not Python's TypeError) for an option the strategy does not take.
+    accepted = _spec.option_names(name)
+    reject_unknown(name, set(options) - set(accepted), accepted)
+    builder = _BUILDERS[name]
+    arguments = [_spec.OPTIONS[name](**options)]
     if "cluster" in inspect.signature(builder).parameters:
-        options["cluster"] = _cluster(cluster)
+        arguments.append(_cluster(cluster))
     elif cluster is not None:
         _cluster(cluster)  # Checked for every name, used by the ones that run in a cluster.
     # Each traced train step would otherwise keep its graph for the process's life (TF's
@@ -394,4 +371,4 @@ def get(name="auto", *, cluster=None, **options):
     keras_symbolic_build.park_interrupted_inputs()
     # steps_per_execution > 1 crashes Keras's multi-step loop on 2+ replicas (see there).
     keras_steps_per_execution.run_executions_step_by_step()
-    return builder(**options)
+    return builder(*arguments)

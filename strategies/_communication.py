@@ -12,11 +12,14 @@ import math
 
 import tensorflow as tf
 
+from tfscale import _strategy_spec as _spec
 from tfscale.compat import tf_communication
 from tfscale.strategies._errors import StrategyError
 
 __all__ = ["COMPRESSIONS", "IMPLEMENTATIONS", "Communication", "configure", "of"]
 
+# TensorFlow's dtype for each of `_spec.GRADIENT_COMPRESSIONS`, and its implementation for each
+# of `_spec.COMMUNICATIONS` (the names and defaults are the spec's).
 COMPRESSIONS = {None: None, "fp16": tf.float16, "bf16": tf.bfloat16}
 IMPLEMENTATIONS = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -49,17 +52,19 @@ class Communication:
         StrategyError: a value outside the ranges above.
     """
 
-    gradient_compression: str | None = None
-    bytes_per_pack: int = 0
-    timeout_seconds: float | None = None
-    implementation: str = "auto"
+    gradient_compression: str | None = _spec.MirroredOptions.gradient_compression
+    bytes_per_pack: int = _spec.MirroredOptions.bytes_per_pack
+    timeout_seconds: float | None = _spec.MirroredOptions.timeout_seconds
+    implementation: str = _spec.MultiWorkerOptions.communication
 
     def __post_init__(self):
         compression = self.gradient_compression
-        if not (compression is None or isinstance(compression, str)) or compression not in COMPRESSIONS:
+        choices = (None, *_spec.GRADIENT_COMPRESSIONS)
+        if not (compression is None or isinstance(compression, str)) or compression not in choices:
             raise StrategyError(
                 "Invalid value for argument `gradient_compression`. Received: "
-                f"gradient_compression={self.gradient_compression!r}. Expected one of None, 'fp16', 'bf16'."
+                f"gradient_compression={self.gradient_compression!r}. Expected one of "
+                f"{', '.join(map(repr, choices))}."
             )
         pack = self.bytes_per_pack  # nan and inf: int() would raise ValueError / OverflowError
         if not (_is_number(pack) and math.isfinite(pack) and int(pack) == pack) or (self.bytes_per_pack < 0):
@@ -74,10 +79,10 @@ class Communication:
                 "Invalid value for argument `timeout_seconds`. Received: "
                 f"timeout_seconds={self.timeout_seconds!r}. Expected a positive number of seconds."
             )
-        if self.implementation not in IMPLEMENTATIONS:
+        if not isinstance(self.implementation, str) or self.implementation not in _spec.COMMUNICATIONS:
             raise StrategyError(
                 "Invalid value for argument `implementation`. Received: "
-                f"implementation={self.implementation!r}. Expected one of {sorted(IMPLEMENTATIONS)}."
+                f"implementation={self.implementation!r}. Expected one of {sorted(_spec.COMMUNICATIONS)}."
             )
 
     @property

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from tfscale import _strategy_spec as _spec
 from tfscale.strategies._errors import StrategyError
 
 __all__ = [
@@ -28,7 +29,6 @@ __all__ = [
     "tensor_specs",
 ]
 
-_METHODS = ("parameters", "uniform", "time")
 # A layer without parameters (activation, dropout, reshape) weighs this fraction of a parameter,
 # so that it still counts in the tie-break instead of piling up in one part.
 _EPSILON = 1e-3
@@ -199,16 +199,17 @@ def layer_bytes(layer):
     return int(sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in layer.weights))
 
 
-def balance(layers, num_parts, method="parameters", sample_input=None):
+def balance(layers, num_parts, method=None, sample_input=None):
     """Cuts a chain of layers into `num_parts` consecutive parts.
 
     Args:
         layers: the chain, e.g. from `chain_layers(model)`.
         num_parts: how many parts (devices or pipeline stages), >= 1.
-        method: "parameters" (default; the largest part's parameter count as small as
-            possible, layers without parameters weigh a small epsilon), "uniform" (by layer
-            count), "time" (by each layer's measured forward + backward time on
-            `sample_input`), or an explicit list of layer counts per part.
+        method: one of `tfscale._strategy_spec.BALANCE_METHODS`, None for the default of
+            the strategies' `balance` option (the spec's): "parameters" (the largest part's parameter
+            count as small as possible, layers without parameters weigh a small epsilon),
+            "uniform" (by layer count), "time" (by each layer's measured forward + backward
+            time on `sample_input`), or an explicit list of layer counts per part.
         sample_input: a batch for the first layer; needed by "time" only.
 
     Returns:
@@ -230,6 +231,8 @@ def balance(layers, num_parts, method="parameters", sample_input=None):
             f"too few layers to make {num_parts} parts (layers: {len(layers)}, parts: "
             f"{num_parts}). Use at most {len(layers)} parts, or split the model into more layers."
         )
+    if method is None:
+        method = _spec.ModelSplitOptions.balance  # PipelineOptions.balance is the same
     if isinstance(method, (list, tuple)):
         return _check_explicit(list(method), len(layers), num_parts)
     if method == "uniform":
@@ -241,7 +244,7 @@ def balance(layers, num_parts, method="parameters", sample_input=None):
     else:
         raise BalanceError(
             f"Invalid value for argument `balance`. Received: balance={method!r}. Expected one "
-            f"of {list(_METHODS)} or a list of layer counts per part."
+            f"of {list(_spec.BALANCE_METHODS)} or a list of layer counts per part."
         )
     return partition(weights, num_parts)
 

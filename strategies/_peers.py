@@ -19,12 +19,13 @@ import struct
 import threading
 import time
 
+from tfscale import _strategy_spec as _spec
 from tfscale.compat.tf_sigterm import SigtermDefault
 from tfscale.strategies._errors import StrategyError
 
 __all__ = ["DEFAULT_CLUSTER_TIMEOUT", "ClusterTimeoutError", "build_within", "check_cluster_timeout"]
 
-DEFAULT_CLUSTER_TIMEOUT = 300.0  # seconds: long enough for slow hosts to start, short of a hang
+DEFAULT_CLUSTER_TIMEOUT = _spec.DEFAULT_CLUSTER_TIMEOUT  # seconds (public: tfscale.strategies)
 _PROBE_SECONDS = 0.5
 _RETRY_SECONDS = 0.2
 _COLLECTIVE_TASKS = ("chief", "worker")

@@ -5,6 +5,7 @@ strategy; the optimizers built in its scope then keep their slots as 1/N shards
 (`tfscale.compat.keras_optimizer_zero` holds the mechanism, which needs Keras internals).
 """
 
+from tfscale import _strategy_spec as _spec
 from tfscale.compat import keras_optimizer_zero
 from tfscale.strategies._errors import StrategyError
 
@@ -15,10 +16,10 @@ STAGES = (0, 1, 2)  # 3 (parameters sharded at rest) is not built yet
 
 def check_stage(stage):
     """`stage` if it is a ZeRO stage this strategy runs, else `StrategyError` naming it."""
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in range(4):
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in _spec.ZERO_STAGES:
         raise StrategyError(
             f"Invalid value for argument `zero_stage`. Received: zero_stage={stage!r}. "
-            "Expected an integer 0, 1, 2 or 3."
+            f"Expected an integer {_spec.in_words(_spec.ZERO_STAGES)}."
         )
     if stage not in STAGES:
         raise StrategyError(

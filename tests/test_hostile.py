@@ -380,16 +380,10 @@ _STRATEGY_VALUES = ["2", 2.5, True, -1, 0, float("nan"), [], "CPU:0", "/cpu:99",
 
 
 def _strategy_options():
-    import inspect
+    from tfscale import _strategy_spec
 
-    from tfscale.strategies import ModelSplitStrategy, PipelineStrategy
-    from tfscale.strategies._builtin import _BUILDERS, _accepted
-
-    for name in ("one_device", "mirrored"):
-        yield from ((name, option) for option in _accepted(_BUILDERS[name]))
-    for name, cls in (("pipeline", PipelineStrategy), ("model_split", ModelSplitStrategy)):
-        params = inspect.signature(cls).parameters.values()
-        yield from ((name, p.name) for p in params if p.kind is p.KEYWORD_ONLY)
+    for name in ("one_device", "mirrored", "pipeline", "model_split"):
+        yield from ((name, option) for option in _strategy_spec.option_names(name))
 
 
 @pytest.mark.parametrize(("name", "option"), list(_strategy_options()))

@@ -173,6 +173,12 @@ def test_model_split_dp2_x_tensor_split_2_equals_one_device(one_device, data_dir
         (["--strategy=mirrored", "--num_stages=2"], "--num_stages applies to --strategy=pipeline"),
         (["--strategy=pipeline", "--num_devices=2"], "--num_devices applies to --strategy=model_split"),
         (["--strategy=pipeline", "--schedule=pipedream"], "--schedule=pipedream: value should be one of"),
+        (
+            # The schedule's rule (tfscale._strategy_spec), before TensorFlow starts.
+            ["--strategy=pipeline", "--schedule=interleaved", "--num_microbatches=3"],
+            "--schedule=interleaved: Invalid value for argument `num_microbatches`. Received: "
+            "num_microbatches=3 with schedule='interleaved' and num_stages=2. Expected a multiple of",
+        ),
         (["--strategy=pipeline", "--data_parallel=0"], "--data_parallel expects a positive integer."),
         (["--strategy=model_split", "--plan_report"], "--plan_report applies to --strategy=pipeline"),
     ],
@@ -181,9 +187,3 @@ def test_bad_model_parallel_flags_are_one_line_and_exit_2(args, message, capsys)
     assert run(["tfscale-train", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and err.startswith("tfscale-train: error: ") and message in err
-
-
-def test_flag_schedules_are_the_registry():
-    from tfscale.strategies.pipeline import SCHEDULES
-
-    assert tfscale.flags.SCHEDULES == tuple(SCHEDULES)

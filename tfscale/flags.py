@@ -3,7 +3,9 @@
 Every `define_*` function takes the `FlagValues` to define into, so a binary uses its own
 and tests use a fresh `flags.FlagValues()`. Validators run at parse time and fail with
 one line naming the flag. `--flagfile` works (absl handles it); presets live in
-`flagfiles/`. Nothing here imports TensorFlow, so a bad flag fails before TF starts.
+`flagfiles/`. Nothing here imports TensorFlow, so a bad flag fails before TF starts: the
+strategy flags' choices, defaults and rules are read from `tfscale._strategy_spec`, the
+TensorFlow-free spec that `tfscale.strategies` builds from too.
 
     fv = flags.FlagValues()
     tfscale.flags.define_all(fv)
@@ -16,6 +18,7 @@ import os
 from absl import flags
 
 from tfscale import _auto, _task_protocol
+from tfscale import _strategy_spec as _spec
 from tfscale import models as _models
 
 __all__ = [
@@ -42,22 +45,21 @@ __all__ = [
     "strategy_args",
 ]
 
-# Every name of `tfscale.strategies.NAMES`; the last two split the model (`MODEL_PARALLEL`), and
-# tfscale-train splits it for them (tests/test_strategies.py holds the lists and the README to this).
-MODEL_PARALLEL = ("pipeline", "model_split")
-STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu", *MODEL_PARALLEL)
-# `tfscale.strategies.pipeline.SCHEDULES`, named here because this module imports no TensorFlow
-# (tests/test_train_model_parallel.py holds the two to each other).
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-# The model-parallel flags and the strategy each belongs to (passed as options of the same name).
-_MODEL_PARALLEL_FLAGS = {
-    "num_stages": ("pipeline",),
-    "num_microbatches": ("pipeline",),
-    "schedule": ("pipeline",),
-    "num_devices": ("model_split",),
-    "tensor_parallel": ("model_split",),
-    "data_parallel": MODEL_PARALLEL,
-}
+# The strategies' names, options, defaults and rules are `tfscale._strategy_spec`'s (which
+# `tfscale.strategies` reads too); these are its names, under the flags' names for them.
+STRATEGIES = _spec.NAMES  # `tfscale.strategies.NAMES`
+MODEL_PARALLEL = _spec.MODEL_PARALLEL  # tfscale-train splits the model for these
+SCHEDULES = tuple(_spec.SCHEDULES)  # `--schedule`: `tfscale.strategies.pipeline.SCHEDULES`
+# The model-parallel flags, passed as the options of the same name to the strategies that take
+# them (`_spec.owners`).
+_MODEL_PARALLEL_FLAGS = (
+    "num_stages",
+    "num_microbatches",
+    "schedule",
+    "num_devices",
+    "tensor_parallel",
+    "data_parallel",
+)
 DEFAULT_GLOBAL_BATCH_SIZE = _task_protocol.DEFAULT_GLOBAL_BATCH_SIZE
 # The optimizer registry: `--optimizer` name -> class in `keras.optimizers` (train.py builds it).
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop"}
@@ -143,18 +145,22 @@ def define_strategy_flags(fv):
     flags.DEFINE_enum(
         "cross_device_ops",
         None,
-        ["nccl", "hierarchical_copy", "reduction_to_one_device"],
+        _spec.CROSS_DEVICE_OPS,
         "All-reduce of --strategy=mirrored.",
         flag_values=fv,
     )
     flags.DEFINE_enum(
-        "communication", "auto", ["auto", "ring", "nccl"], "Collectives of multi_worker.", flag_values=fv
+        "communication",
+        _spec.MultiWorkerOptions.communication,
+        _spec.COMMUNICATIONS,
+        "Collectives of multi_worker.",
+        flag_values=fv,
     )
     flags.DEFINE_string("tpu", None, "TPU name or grpc:// address for --strategy=tpu.", flag_values=fv)
     flags.DEFINE_enum(
         "gradient_compression",
         None,
-        ["fp16", "bf16"],
+        _spec.GRADIENT_COMPRESSIONS,
         "Gradient all-reduce dtype for mirrored / multi_worker (cast back after it).",
         flag_values=fv,
     )
@@ -176,8 +182,8 @@ def define_strategy_flags(fv):
     )
     flags.register_validator(
         "zero_stage",
-        lambda v: v is None or 0 <= v <= 3,
-        "--zero_stage expects 0, 1, 2 or 3.",
+        lambda v: v is None or v in _spec.ZERO_STAGES,
+        f"--zero_stage expects {_spec.in_words(_spec.ZERO_STAGES)}.",
         flag_values=fv,
     )
     for name in ("cpu_replicas", "num_gpus"):
@@ -241,7 +247,7 @@ def define_cluster_flags(fv):
     flags.register_validator("tf_config", _valid_tf_config, flag_values=fv)
     flags.DEFINE_float(
         "cluster_timeout",
-        300.0,
+        _spec.DEFAULT_CLUSTER_TIMEOUT,
         "Seconds a worker waits for every peer of the cluster to start before it fails naming "
         "the missing tasks (exit 1).",
         flag_values=fv,
@@ -385,7 +391,10 @@ def define_data_flags(fv):
     )
     flags.DEFINE_string("data_dir", None, "Folder of prepared TFDS datasets (must exist).", flag_values=fv)
     flags.DEFINE_integer(
-        "global_batch_size", None, "Examples per step over all replicas (default 64).", flag_values=fv
+        "global_batch_size",
+        None,
+        f"Examples per step over all replicas (default {DEFAULT_GLOBAL_BATCH_SIZE}).",
+        flag_values=fv,
     )
     flags.DEFINE_integer("per_replica_batch_size", None, "Examples per step per replica.", flag_values=fv)
     flags.DEFINE_integer(
@@ -484,8 +493,10 @@ def _several_tasks():
 def _valid_model_parallel(values):
     """Model-parallel flags fit their strategy, the devices and the batch (one line naming them)."""
     strategy = values["strategy"]
-    for name, owners in _MODEL_PARALLEL_FLAGS.items():
-        if values[name] not in (None, False) and strategy not in owners:
+    given = {name: values[name] for name in _MODEL_PARALLEL_FLAGS if values[name] not in (None, False)}
+    for name in given:
+        owners = _spec.owners(name)
+        if strategy not in owners:
             raise flags.ValidationError(
                 f"--{name} applies to --strategy={'|'.join(owners)}, not --strategy={strategy}."
             )
@@ -495,11 +506,14 @@ def _valid_model_parallel(values):
         )
     if strategy not in MODEL_PARALLEL:
         return True
-    d = values["data_parallel"] or 1
+    options = _spec.OPTIONS[strategy](**given)  # the strategy's defaults where a flag is unset
     if strategy == "pipeline":
-        per_copy, count = values["num_stages"] or 2, "num_stages"
-    else:  # model_split: K unknown here without --num_devices (then the devices decide)
-        per_copy, count = values["num_devices"], "num_devices"
+        problem = _spec.schedule_problem(_spec.SCHEDULES[options.schedule], options)
+        if problem:
+            raise flags.ValidationError(f"--schedule={options.schedule}: {problem}")
+    d = options.data_parallel
+    # model_split: K unknown here without --num_devices (then the devices decide)
+    count, per_copy = _spec.copy_devices(strategy, options)
     cpus = values["cpu_replicas"]
     # In a cluster of several tasks each serves its --cpu_replicas devices: the strategy checks
     # D x S against all of them once connected (one line too).
@@ -515,7 +529,7 @@ def _valid_model_parallel(values):
             f"--global_batch_size={batch} is not divisible by --data_parallel={d}. "
             f"Expected a multiple of {d}."
         )
-    m = (values["num_microbatches"] or 4) if strategy == "pipeline" else 1
+    m = _spec.microbatches(strategy, options)
     if (batch // d) % m:
         raise flags.ValidationError(
             f"--num_microbatches={m} does not divide the per-replica batch of {batch // d} "
@@ -530,11 +544,20 @@ def define_model_parallel_flags(fv):
     --num_stages, --num_microbatches, --schedule (pipeline); --num_devices, --tensor_parallel
     (model_split); --data_parallel (both); --plan_report (pipeline: print the planning report).
     """
-    flags.DEFINE_integer("num_stages", None, "Pipeline stages S (default 2).", flag_values=fv)
+    # Unset (None) means the strategy's default, stated in the help from the spec.
+    pipeline = _spec.OPTIONS["pipeline"]()
     flags.DEFINE_integer(
-        "num_microbatches", None, "Pipeline micro-batches M per replica's batch (default 4).", flag_values=fv
+        "num_stages", None, f"Pipeline stages S (default {pipeline.num_stages}).", flag_values=fv
     )
-    flags.DEFINE_enum("schedule", None, SCHEDULES, "Pipeline schedule (default 1f1b).", flag_values=fv)
+    flags.DEFINE_integer(
+        "num_microbatches",
+        None,
+        f"Pipeline micro-batches M per replica's batch (default {pipeline.num_microbatches}).",
+        flag_values=fv,
+    )
+    flags.DEFINE_enum(
+        "schedule", None, SCHEDULES, f"Pipeline schedule (default {pipeline.schedule}).", flag_values=fv
+    )
     flags.DEFINE_integer("num_devices", None, "Model split: devices K of one copy.", flag_values=fv)
     flags.DEFINE_boolean(
         "tensor_parallel",
@@ -658,30 +681,24 @@ def expected_replicas(values, environ=None):
     """Replicas in sync implied by the strategy flags alone, or None when only TensorFlow can tell.
 
     Lets a batch size that cannot be split fail at parse time, before TensorFlow starts.
-    "auto" is resolved by the rule `strategies.get("auto")` itself applies.
+    The flags give the cluster and the options; the prediction is the spec's
+    (`tfscale._strategy_spec.expected_replicas`: "auto" by the rule `strategies.get("auto")`
+    itself applies).
     """
     from tfscale.cluster import ClusterSpecError
 
     environ = os.environ if environ is None else environ
-    strategy, cpus, gpus = values["strategy"], values["cpu_replicas"], values["num_gpus"]
     try:
         workers = _cluster_of(values["tf_config"], environ).num_workers
     except ClusterSpecError:
         return None  # Reported by the --tf_config validator or when the strategy is built.
-    if strategy == "auto":
-        if not cpus and workers == 1:
-            return None  # Then the GPUs decide, and only TensorFlow can count them.
-        # With cpu_replicas given, the GPU count no longer changes how many replicas there are.
-        strategy, _ = _auto.choose(
-            tpu=_auto.tpu_named(values.get("tpu"), environ), num_workers=workers, gpus=0, cpu_replicas=cpus
-        )
-    if strategy in ("one_device", "default"):
-        return 1
-    if strategy == "multi_worker":
-        return workers * cpus if cpus else None
-    if strategy == "mirrored":
-        return cpus or gpus
-    return None
+    return _spec.expected_replicas(
+        values["strategy"],
+        num_workers=workers,
+        cpu_replicas=values["cpu_replicas"],
+        num_gpus=values["num_gpus"],
+        tpu=_auto.tpu_named(values.get("tpu"), environ),
+    )
 
 
 def _valid_batch_split(values):

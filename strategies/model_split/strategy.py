@@ -4,6 +4,7 @@ import weakref
 
 import keras
 
+from tfscale import _strategy_spec as _spec
 from tfscale.strategies import _partition, _parts
 from tfscale.strategies._devices import local_device_names, resolve_devices
 from tfscale.strategies._errors import StrategyError
@@ -15,17 +16,6 @@ from tfscale.strategies.model_split.models import DataParallelSplit, SplitSequen
 from tfscale.strategies.model_split.tensor_split import model_input, tensor_split
 
 __all__ = ["ModelSplitStrategy"]
-
-_BALANCE_METHODS = ("parameters", "uniform", "time")
-_OPTIONS = (
-    "devices",
-    "num_devices",
-    "balance",
-    "tensor_parallel",
-    "tensor_layers",
-    "sample_input",
-    "data_parallel",
-)
 
 
 class ModelSplitStrategy:
@@ -43,11 +33,14 @@ class ModelSplitStrategy:
     returns the unsplit model with the trained weights. This is not a
     `tf.distribute.Strategy`: there is one replica, so no `scope()` is needed.
 
+    The options' types and defaults are the fields of `tfscale._strategy_spec.ModelSplitOptions`
+    (`cpu_replicas` there is `get("model_split")`'s alone).
+
     Args:
         devices: device names, one per part (e.g. `["/gpu:0", "/gpu:1"]`).
         num_devices: alternatively, how many devices: the first K GPUs, else K logical CPU
             devices (the host CPU is split if TensorFlow has not started yet).
-        balance: layer split only: "parameters" (default), "uniform", "time" (needs
+        balance: layer split only: "parameters", "uniform", "time" (needs
             `sample_input`), or a list of layer counts per device.
         tensor_parallel: False (layer split), or True / K (tensor split over all K devices).
         tensor_layers: tensor split only: names of the layers to split; None splits every
@@ -72,35 +65,33 @@ class ModelSplitStrategy:
     >>> strategy.report(split)  # per device: layers, params, param_bytes
     """
 
-    def __init__(
-        self,
-        *,
-        devices=None,
-        num_devices=None,
-        balance="parameters",
-        tensor_parallel=False,
-        tensor_layers=None,
-        sample_input=None,
-        data_parallel=1,
-        **unknown,
-    ):
-        reject_unknown("model_split", unknown, _OPTIONS)
-        self.data_parallel = check_data_parallel(data_parallel, 1, None, count_argument="num_devices")
-        self._all_devices = _resolve_devices(devices, num_devices, tensor_parallel, self.data_parallel)
+    def __init__(self, **options):
+        accepted = [name for name in _spec.option_names("model_split") if name != "cpu_replicas"]
+        reject_unknown("model_split", set(options) - set(accepted), accepted)
+        options = _spec.OPTIONS["model_split"](**options)
+        balance, tensor_parallel, tensor_layers = (
+            options.balance,
+            options.tensor_parallel,
+            options.tensor_layers,
+        )
+        self.data_parallel = check_data_parallel(options.data_parallel, 1, None, count_argument="num_devices")
+        self._all_devices = _resolve_devices(
+            options.devices, options.num_devices, tensor_parallel, self.data_parallel
+        )
         self._groups = group_devices(self._all_devices, self.data_parallel)
         self._devices = self._groups[0]
         self._tensor = _check_tensor_parallel(tensor_parallel, len(self._devices))
-        if not isinstance(balance, (list, tuple)) and balance not in _BALANCE_METHODS:
+        if not isinstance(balance, (list, tuple)) and balance not in _spec.BALANCE_METHODS:
             raise StrategyError(
                 f"Invalid value for argument `balance`. Received: balance={balance!r}. Expected one "
-                f"of {list(_BALANCE_METHODS)} or a list of layer counts per device."
+                f"of {list(_spec.BALANCE_METHODS)} or a list of layer counts per device."
             )
         if tensor_layers is not None and not self._tensor:
             raise StrategyError(
                 f"Argument `tensor_layers={tensor_layers!r}` needs tensor split. Expected "
                 "`tensor_parallel=True` (or the number of devices) with it."
             )
-        self._balance, self._tensor_layers, self._sample_input = balance, tensor_layers, sample_input
+        self._balance, self._tensor_layers, self._sample_input = balance, tensor_layers, options.sample_input
         self._origins = weakref.WeakKeyDictionary()  # split model -> _parts.Origin
         self._whole = weakref.WeakKeyDictionary()  # tensor split -> {layer: why not split}
         self.placement = None

@@ -27,8 +27,8 @@ class _Plan:
         origin,
         *,
         replicas,
+        virtual_stages,
         batch_norm=None,
-        virtual_stages=1,
     ):
         self.stages = stages
         self.batch_norm = batch_norm  # `DeferredBatchNorm`, `EmptyMicrobatchGuard` (Keras's updates) or None
@@ -67,9 +67,9 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         num_microbatches,
         partition,
         *,
+        virtual_stages,
         origin=None,
         batch_norm=None,
-        virtual_stages=1,
         replicas=None,
     ):
         super().__init__(name=f"{unsplit_model.name}_pipelined")

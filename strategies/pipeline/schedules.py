@@ -3,9 +3,12 @@
 A schedule is a function `(num_stages, num_microbatches, virtual_stages) -> per device, the
 list of `Op`s in the order that device runs them`, registered by name in `SCHEDULES`
 (`@register("name", bubble=..., activation_bound=...)`, which also records the schedule's
-theoretical bubble and activation bound). Adding a schedule is adding one such function;
-the strategy, the step builder and the timeline read everything else (the names, the op
-kinds) from here:
+theoretical bubble and activation bound). Its name and constraints (virtual stages, M a
+multiple of S, W ops) are its entry in `tfscale._strategy_spec.SCHEDULES`, TensorFlow-free
+so that `--schedule` offers and checks them before TensorFlow starts; `register` attaches
+that entry to the function as `.constraints`. Adding a schedule is adding that entry and
+one such function; the strategy, the step builder and the timeline read everything else
+(the op kinds) from here:
 
 - `Kind`: what an op computes -- a micro-batch's forward (F), backward (B: the input
   gradient, and the weight gradient too unless the schedule has W ops), and weight
@@ -41,6 +44,7 @@ import collections
 import enum
 import re
 
+from tfscale import _strategy_spec as _spec
 from tfscale.strategies._errors import StrategyError
 
 __all__ = [
@@ -115,21 +119,26 @@ def parse_op_name(name):
 SCHEDULES = {}
 
 
-def register(name, *, bubble, activation_bound, virtual_stages=False):
+def register(name, *, bubble, activation_bound):
     """Decorator: adds a schedule function to `SCHEDULES` under `name`.
 
     Args:
-        name: the `schedule=` option's value.
+        name: the `schedule=` option's value, a name in `tfscale._strategy_spec.SCHEDULES`,
+            whose entry (the schedule's constraints) the function carries as `.constraints`.
         bubble: `bubble(S, M, V)` -> the idle share of the step for equal op times.
         activation_bound: `activation_bound(S, M, V, d)` -> the most micro-batches (chunk
             micro-batches with V > 1) whose activations device d holds at once.
-        virtual_stages: whether the schedule takes V > 1 chunks per device.
     """
+    if name not in _spec.SCHEDULES:
+        raise ValueError(
+            f"Schedule {name!r} has no entry in tfscale._strategy_spec.SCHEDULES. Expected its "
+            "constraints there first."
+        )
 
     def add(schedule):
         schedule.bubble = bubble
         schedule.activation_bound = activation_bound
-        schedule.virtual_stages = virtual_stages
+        schedule.constraints = _spec.SCHEDULES[name]
         SCHEDULES[name] = schedule
         return schedule
 
@@ -174,7 +183,6 @@ def _interleaved_warmup(num_stages, num_microbatches, virtual_stages, device):
     "interleaved",
     bubble=lambda s, m, v: (s - 1) / (v * m + s - 1),
     activation_bound=lambda s, m, v, d: min(_interleaved_warmup(s, m, v, d) + 1, m * v),
-    virtual_stages=True,
 )
 def interleaved(num_stages, num_microbatches, virtual_stages=2):
     """Megatron-LM's interleaved 1F1B: device d runs chunks d, d + S, ..., d + (V-1) S.
@@ -229,8 +237,8 @@ def order(schedule, num_stages, num_microbatches, virtual_stages=1):
         schedule: a name in `SCHEDULES`.
         num_stages: S >= 1 devices.
         num_microbatches: M >= 1.
-        virtual_stages: V >= 1 chunks per device (schedules registered with
-            `virtual_stages=True` only); the `Op`s name chunks 0 .. S V - 1.
+        virtual_stages: V >= 1 chunks per device (schedules whose `.constraints` say
+            `virtual_stages` only); the `Op`s name chunks 0 .. S V - 1.
 
     Returns:
         A list of S lists of `Op`, one list per device, in execution order.
@@ -390,11 +398,13 @@ def bubble_fraction(spans, num_stages):
     return 1.0 - busy / (num_stages * span) if span > 0 else 0.0
 
 
-def theoretical_bubble(num_stages, num_microbatches, schedule="1f1b", virtual_stages=1):
+def theoretical_bubble(
+    num_stages, num_microbatches, schedule=_spec.PipelineOptions.schedule, virtual_stages=1
+):
     """The schedule's idle share of the step for equal op times (as registered).
 
     GPipe and 1F1B: (S - 1) / (M + S - 1); interleaved: (S - 1) / (V M + S - 1); ZB-H1 with
-    t_F = t_B = t_W: (S - 1) / (3 M + S - 1).
+    t_F = t_B = t_W: (S - 1) / (3 M + S - 1). `schedule` defaults to the pipeline's.
     """
     return _registered(schedule).bubble(num_stages, num_microbatches, virtual_stages)
 

@@ -23,6 +23,7 @@ import logging
 
 import keras
 
+from tfscale import _strategy_spec as _spec
 from tfscale.strategies import _partition, _parts, _replicas
 from tfscale.strategies._devices import available_devices, device_key, device_type, resolve_devices
 from tfscale.strategies._errors import StrategyError
@@ -35,23 +36,14 @@ from tfscale.strategies.pipeline.batchnorm import DeferredBatchNorm, EmptyMicrob
 __all__ = ["PipelineStrategy"]
 
 _log = logging.getLogger("tfscale")
-_OPTIONS = (
-    "num_stages",
-    "num_microbatches",
-    "schedule",
-    "virtual_stages",
-    "devices",
-    "balance",
-    "recompute",
-    "serialize_stages",
-    "deferred_batch_norm",
-    "data_parallel",
-    "microbatch_statistics",
-)
 
 
 class PipelineStrategy:
     """Pipeline parallelism: S stages on S devices, M micro-batches per batch.
+
+    The options' types and defaults are the fields of `tfscale._strategy_spec.PipelineOptions`
+    (`cpu_replicas` there is `get("pipeline")`'s alone), and the schedules' constraints its
+    `SCHEDULES` entries; `tfscale-train`'s flags read the same.
 
     Args:
         num_stages: S, the number of stages (and devices).
@@ -73,7 +65,7 @@ class PipelineStrategy:
         recompute: recompute each stage's activations in its backward
             (`tf.recompute_grad`) instead of keeping them.
         serialize_stages: run each stage's ops one at a time, as a device stream does.
-            None (default) means True on CPU devices: logical CPU devices share one
+            None means True on CPU devices: logical CPU devices share one
             thread pool, and without it a stage could take every core. False lets
             TensorFlow run independent ops of one stage side by side.
         deferred_batch_norm: move BatchNormalization's moving averages once per batch,
@@ -90,7 +82,7 @@ class PipelineStrategy:
             depend on the whole batch in training: a trainable BatchNormalization
             normalises each micro-batch by that micro-batch's mean and variance, and a
             Dropout-like layer draws a new mask per micro-batch, so losses and weights
-            differ from one device's. False (default) refuses such a model in `split`,
+            differ from one device's. False refuses such a model in `split`,
             naming the layer: results are plain Keras's or refused, never silently
             different. Irrelevant at M = 1.
 
@@ -98,32 +90,24 @@ class PipelineStrategy:
         StrategyError: an option out of range, or D x S more than the devices.
     """
 
-    def __init__(
-        self,
-        *,
-        num_stages=2,
-        num_microbatches=4,
-        schedule="1f1b",
-        virtual_stages=1,
-        devices=None,
-        balance="parameters",
-        recompute=False,
-        serialize_stages=None,
-        deferred_batch_norm=True,
-        data_parallel=1,
-        microbatch_statistics=False,
-        **unknown,
-    ):
-        reject_unknown("pipeline", unknown, _OPTIONS)
-        self.num_stages = positive_int("num_stages", num_stages)
-        self.num_microbatches = positive_int("num_microbatches", num_microbatches)
+    def __init__(self, **options):
+        accepted = [name for name in _spec.option_names("pipeline") if name != "cpu_replicas"]
+        reject_unknown("pipeline", set(options) - set(accepted), accepted)
+        options = _spec.OPTIONS["pipeline"](**options)
+        schedule, recompute = options.schedule, options.recompute
+        deferred_batch_norm, serialize_stages = options.deferred_batch_norm, options.serialize_stages
+        microbatch_statistics = options.microbatch_statistics
+        self.num_stages = positive_int("num_stages", options.num_stages)
+        self.num_microbatches = positive_int("num_microbatches", options.num_microbatches)
         if not isinstance(schedule, str) or schedule not in schedules.SCHEDULES:  # a list: TypeError
             raise StrategyError(
                 f"Invalid value for argument `schedule`. Received: schedule={schedule!r}. "
                 f"Expected one of {list(schedules.SCHEDULES)}."
             )
-        self.virtual_stages = positive_int("virtual_stages", virtual_stages)
-        self._check_schedule(schedule, self.virtual_stages, recompute)
+        self.virtual_stages = positive_int("virtual_stages", options.virtual_stages)
+        problem = _spec.schedule_problem(schedules.SCHEDULES[schedule].constraints, options)
+        if problem:
+            raise StrategyError(problem)
         if not isinstance(recompute, bool):
             raise StrategyError(
                 f"Invalid value for argument `recompute`. Received: recompute={recompute!r}. "
@@ -147,41 +131,20 @@ class PipelineStrategy:
                 f"serialize_stages={serialize_stages!r}. Expected None, True or False."
             )
         self.schedule = schedule
-        self.balance = balance
+        self.balance = options.balance
         self.recompute = recompute
         self.data_parallel = check_data_parallel(
-            data_parallel, self.num_stages, None, count_argument="num_stages"
+            options.data_parallel, self.num_stages, None, count_argument="num_stages"
         )
-        self.devices = _resolve(devices, self.num_stages, self.data_parallel)
+        self.devices = _resolve(options.devices, self.num_stages, self.data_parallel)
         self.replica_devices = group_devices(self.devices, self.data_parallel)
         # The stage -> device map of replica 0: S x V chunks, chunk c on device c mod S.
         self.stage_devices = schedules.stage_devices(
-            self.replica_devices[0], num_stages * self.virtual_stages
+            self.replica_devices[0], self.num_stages * self.virtual_stages
         )
         if serialize_stages is None:
             serialize_stages = all(device_type(d) == "CPU" for d in self.devices)
         self.serialize_stages = serialize_stages
-
-    def _check_schedule(self, schedule, virtual_stages, recompute):
-        if virtual_stages > 1 and not schedules.SCHEDULES[schedule].virtual_stages:
-            capable = [name for name, fn in schedules.SCHEDULES.items() if fn.virtual_stages]
-            raise StrategyError(
-                f"Invalid value for argument `virtual_stages`. Received: virtual_stages={virtual_stages} "
-                f"with schedule={schedule!r}. Expected 1, or a schedule among {capable}."
-            )
-        if schedule == "interleaved" and self.num_microbatches % self.num_stages:
-            raise StrategyError(
-                f"Invalid value for argument `num_microbatches`. Received: num_microbatches="
-                f"{self.num_microbatches} with schedule='interleaved' and num_stages={self.num_stages}. "
-                "Expected a multiple of num_stages (the schedule runs rounds of S micro-batches)."
-            )
-        if recompute is True and any(
-            op.kind == schedules.Kind.WEIGHT for op in schedules.order(schedule, 1, 1, virtual_stages)[0]
-        ):
-            raise StrategyError(
-                f"Invalid value for argument `recompute`. Received: recompute=True with "
-                f"schedule={schedule!r}. Expected False: its W ops need each layer's kept output."
-            )
 
     def __repr__(self):
         return (

@@ -65,7 +65,7 @@ class PipelineTrace:
     bubble: float
     theoretical_bubble: float
     makespan: float
-    virtual_stages: int = 1
+    virtual_stages: int
     activation_bound: list = dataclasses.field(default_factory=list)
 
 
@@ -127,7 +127,7 @@ def trace_train_step(model, x, y, sample_weight=None):
     return _summarise(groups, ops, model.schedule, len(model.stages) // virtual, m, virtual_stages=virtual)
 
 
-def _summarise(groups, ops, schedule, num_stages, num_microbatches, *, virtual_stages=1):
+def _summarise(groups, ops, schedule, num_stages, num_microbatches, *, virtual_stages):
     orders = schedules.order(schedule, num_stages, num_microbatches, virtual_stages)
     expected = {s for order in orders for s in order}
     # With W split off, a B or W can compute nothing: no weights (pooling, reshaping) for W;

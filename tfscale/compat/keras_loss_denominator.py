@@ -1,6 +1,6 @@
-"""Keras 3 mean losses under `MirroredStrategy` / `MultiWorkerMirroredStrategy`: the one-device mean.
+"""Keras 3 losses under `MirroredStrategy` / `MultiWorkerMirroredStrategy`: the one-device loss.
 
-Checked on Keras 3.15.1 with TensorFlow 2.21 (the same code is in Keras 3.0 to 3.15).
+Checked on Keras 3.15.1 with TensorFlow 2.21.0 only.
 Each replica of Keras's TF `train_step` computes its compiled loss on its own slice of the
 batch. A mean reduction (`"sum_over_batch_size"`, the default, `"mean"` and
 `"mean_with_sample_weight"`) divides the slice's weighted sum by the *slice's* denominator
@@ -18,48 +18,52 @@ same. It is not:
    evenly split batches;
 3. with `"mean_with_sample_weight"`, each replica divides by its own sum of weights.
 
-The logged loss has the same fault from the other side: `train_step` / `test_step` (and
-`CompileLoss`'s per-output metrics) log `unscale_loss_for_distribution(loss)`, i.e.
-num_replicas x the replica's share, weighted by the replica's example count.
+The logged loss is off too, and also for `"sum"` (whose gradients are right): `train_step`
+/ `test_step` and `CompileLoss`'s per-output metrics log `unscale_loss_for_distribution(loss)`
+(num_replicas x the replica's value) weighted by the replica's example count, which is the
+one-device loss only when the slices are equal.
 
-The fix, applied where Keras has these functions unfixed (`needed()`), only in the replica
-context of a traced Mirrored / MultiWorkerMirrored step with 2+ replicas (elsewhere Keras's
-own code runs unchanged):
+The fix, applied where Keras has this unfixed (`needed()`), replaces
+`keras.src.losses.loss.reduce_weighted_values` (what every `keras.losses.Loss.__call__`
+reduces with), and changes it only in the replica context of a traced Mirrored /
+MultiWorkerMirrored step with 2+ replicas (elsewhere Keras's own function runs):
 
-- `reduce_weighted_values` (what every `keras.losses.Loss.__call__` reduces with) divides a
-  replica's weighted sum by the *global* denominator: the replicas' local denominators
-  (element count; valid mask entries and mask size; sum of weights), SUM-all-reduced across
-  every replica in one launch. Each replica's loss is then its share of the one-device mean,
-  the shares add up to it, and so do their gradients. Keras's weighting is kept exactly:
-  the mask merged into the sample weights with its weight total / valid (the global counts),
-  class weights (which reach the loss as sample weights), `loss_weights`, one denominator
-  per loss term (a multi-output model's outputs each have their own). `"sum"` and `None`
-  reductions, which never divide, are Keras's own (a sum's shares already add up).
-- `unscale_loss_for_distribution` returns the SUM-all-reduce of the replica's scalar share:
-  the one-device value on every replica, so the loss tracker (weighted by the example
-  counts, which add up to the batch's) and `CompileLoss`'s per-output metrics log the
-  one-device loss, in `fit` and `evaluate`. Regularisation losses (`model.losses`) keep
-  Keras's 1 / num_replicas share, which the sum makes whole again.
+- Keras's own steps, except that the slice's weighted sum and its denominators (element
+  count; mask size and valid count; sum of weights) are SUM-all-reduced across every
+  replica, in one launch per loss term, before anything divides. Keras's weighting is kept:
+  the mask merged into the sample weights with the weight total / valid (the global
+  counts), class weights (which reach the loss as sample weights), `loss_weights` (applied
+  by `CompileLoss` after), one denominator per loss term (each output of a multi-output
+  model has its own). `None` / `"none"` reductions are Keras's own.
+- The replica's loss *differentiates* as its share, local weighted sum / global
+  denominator: the shares' gradients add up to the one-device gradient. Its *value* is
+  `scale_loss_for_distribution(one-device loss)` (`local + stop_gradient(value - local)`),
+  the same on every replica, so Keras's unchanged `unscale_loss_for_distribution` gives the
+  one-device loss back and the loss tracker and per-output loss metrics log it, in `fit`
+  and `evaluate`. Regularisation losses (`model.losses`) keep Keras's 1 / num_replicas share.
 
 An empty slice adds 0 to every sum and count: its replica's share is 0 and the others
 divide by the global count, as one device does; a batch with no valid entry at all gives 0,
 as Keras's `divide_no_nan` does on one device.
 
 The all-reduce is launched on the strategy's own collective ops from replica context
-(`keras_optimizer.all_reduce_exact`, no `merge_call`, no gradient compression: counts must
-arrive exact), with the strategy's communication options. Not covered: `run_eagerly=True`
-(eager replicas keep Keras's per-replica mean), TPUStrategy (same Keras code, not
-exercisable here), a loss whose `call` returns a scalar (Keras returns it unreduced and
-unscaled: nothing to divide), and `add_loss` terms that average over a replica's slice (a
-layer's own mean of its slice: Keras gives no denominator to correct).
+(`keras_optimizer.all_reduce_exact`: no `merge_call`, no gradient compression, since counts
+must arrive exact), with the strategy's communication options: one more small launch a step
+per loss term (two float32 numbers, four with a mask), beside the gradients'. Not covered:
+`run_eagerly=True` (eager replicas keep Keras's per-replica mean), TPUStrategy (same Keras
+code, not exercisable here), a loss whose `call` returns a scalar (Keras returns it
+unreduced and unscaled: nothing to divide), an overridden `compute_loss` that does not
+reduce with a `keras.losses.Loss`, and `add_loss` terms that average over a replica's slice
+(a layer's own mean of its slice: Keras gives no denominator to correct).
 
-Reproducer (before the fix): Dense(2) on 4 inputs, 19 samples in batches of 8, SGD(0.1),
-sparse categorical cross-entropy, `MirroredStrategy` on 2 CPUs: the last batch (3 samples)
-splits 2 and 1 and the weights after one epoch differ from one device's by ~1e-3;
-`tests/test_compat_loss_denominator.py` (uneven numpy and tf.data batches, an empty slice,
-per-timestep masks, sample and class weights, two outputs, evaluate) fails without it.
-Gate: this fix's own `_FIXED_IN` (None while upstream is unfixed), and the patched
-functions' presence in `keras.src.losses.loss`; otherwise nothing is changed.
+Reproducer (before the fix): Dense(8) and Dense(2) on 4 inputs, 19 samples in batches of 8,
+Adam(0.05), sparse categorical cross-entropy, `MirroredStrategy` on 2 CPUs: the last batch
+(3 samples) splits 2 and 1, and after 2 epochs the weights differ from one device's by 0.13
+and the logged loss by 0.018. `tests/test_compat_loss_denominator.py` (uneven numpy and
+tf.data batches, an empty slice, per-timestep masks, sample and class weights, `"sum"`, two
+outputs, evaluate; 2 workers x 2 replicas) fails without it.
+Gate: this fix's own `_FIXED_IN` (None while upstream is unfixed), and the functions it
+calls present in `keras.src.losses.loss`; otherwise nothing is changed.
 `tfscale.strategies.get("mirrored" | "multi_worker")` applies it; users who build those
 strategies by hand call `tfscale.compat.apply_loss_fixes()` once.
 """
@@ -72,16 +76,26 @@ import tensorflow as tf
 from tfscale.compat import keras_optimizer
 from tfscale.compat.keras_multi_worker import _version_tuple
 
-__all__ = ["CHECKED_ON", "apply", "is_applied", "needed"]
+__all__ = ["CHECKED_ON", "NAME_SCOPE", "apply", "is_applied", "needed"]
 
 CHECKED_ON = ("3.15.1", "2.21.0")
+# The name scope of this fix's all-reduce ops: what tells them from the gradients' launches
+# in a traced graph or a profile (`strategies._communication.traced_all_reduces`).
+NAME_SCOPE = "tfscale_loss_denominator"
 # First Keras release whose mean losses divide by the global denominator under tf.distribute;
 # None while upstream is unfixed.
 _FIXED_IN = None
-_MEANS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
-_PATCHED = ("reduce_weighted_values", "unscale_loss_for_distribution")
-_REQUIRED = (*_PATCHED, "apply_mask", "squeeze_or_expand_to_same_rank", "standardize_reduction")
-_state = {"applied": False, "originals": {}}
+_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
+_PATCHED = "reduce_weighted_values"
+_REQUIRED = (
+    _PATCHED,
+    "apply_mask",
+    "squeeze_or_expand_to_same_rank",
+    "standardize_reduction",
+    "scale_loss_for_distribution",
+    "unscale_loss_for_distribution",
+)
+_state = {"applied": False, "original": None}
 
 
 def needed(version=None):
@@ -116,9 +130,10 @@ def _wire_dtype(dtype):
 def _all_reduce(values, dtype):
     """The SUM over every replica of each scalar in `values`, cast back to `dtype`."""
     wire = _wire_dtype(dtype)
-    local = tf.stack([tf.cast(tf.stop_gradient(v), wire) for v in values])
-    total = keras_optimizer.all_reduce_exact([local])[0]
-    return [tf.cast(total[i], dtype) for i in range(len(values))]
+    with tf.name_scope(NAME_SCOPE):
+        local = tf.stack([tf.cast(tf.stop_gradient(v), wire) for v in values])
+        total = keras_optimizer.all_reduce_exact([local])[0]
+        return [tf.cast(total[i], dtype) for i in range(len(values))]
 
 
 def _make_reduce_weighted_values(original, loss):
@@ -134,10 +149,10 @@ def _make_reduce_weighted_values(original, loss):
         keras_own = functools.partial(
             original, values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype
         )
-        if reduction not in _MEANS or not _active():
+        if reduction not in _REDUCTIONS or not _active():
             return keras_own()
         # Keras's steps (`reduce_weighted_values`, `apply_mask`, `reduce_values`), with
-        # every denominator summed over the replicas before it divides.
+        # the weighted sum and every denominator summed over the replicas.
         values = ops.convert_to_tensor(values, dtype=dtype)
         if sample_weight is not None:
             sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
@@ -156,27 +171,32 @@ def _make_reduce_weighted_values(original, loss):
             values = values * sample_weight
         if tuple(values.shape) in ((), (0,)):
             return keras_own()  # Keras returns these unreduced and unscaled: nothing to divide.
+        local_sum = ops.sum(values)
+        if reduction == "sum":
+            (global_sum,) = _all_reduce([local_sum], values.dtype)
+            return _share(local_sum, global_sum, loss)
         if reduction == "mean_with_sample_weight" and sample_weight is not None:
             divisor = ops.cast(ops.sum(sample_weight), values.dtype)
         else:
             divisor = size(values, values.dtype)
-        divisor, *counts = _all_reduce([divisor, *counts], values.dtype)
-        weighted_sum = ops.sum(values)
+        global_sum, divisor, *counts = _all_reduce([local_sum, divisor, *counts], values.dtype)
         if counts:
-            weighted_sum = weighted_sum * ops.divide_no_nan(counts[0], counts[1])
-        return ops.divide_no_nan(weighted_sum, divisor)
+            factor = ops.divide_no_nan(counts[0], counts[1])
+            local_sum, global_sum = local_sum * factor, global_sum * factor
+        return _share(ops.divide_no_nan(local_sum, divisor), ops.divide_no_nan(global_sum, divisor), loss)
 
     return reduce_weighted_values
 
 
-def _make_unscale_loss_for_distribution(original):
-    def unscale_loss_for_distribution(value):
-        if not _active() or not tf.is_tensor(value) or value.shape.rank != 0:
-            return original(value)
-        # Every replica's loss is its share of the one-device value: their sum is that value.
-        return _all_reduce([value], value.dtype)[0]
+def _share(local, whole, loss):
+    """`local`'s gradient with Keras's distributed value of `whole` (whole / num_replicas).
 
-    return unscale_loss_for_distribution
+    The gradients of the replicas' `local` add up to the gradient of the one-device loss;
+    the value is what Keras's `unscale_loss_for_distribution` turns back into `whole`, the
+    one-device loss, on every replica (so the loss tracker and per-output loss metrics,
+    weighted by example counts that add up to the batch's, log it).
+    """
+    return local + tf.stop_gradient(loss.scale_loss_for_distribution(whole) - local)
 
 
 def _gate():
@@ -197,19 +217,14 @@ def apply():
     if not needed() or not _gate():
         return False
     loss = _loss_module()
-    originals = {name: getattr(loss, name) for name in _PATCHED}
-    loss.reduce_weighted_values = _make_reduce_weighted_values(originals["reduce_weighted_values"], loss)
-    loss.unscale_loss_for_distribution = _make_unscale_loss_for_distribution(
-        originals["unscale_loss_for_distribution"]
-    )
-    _state["originals"] = originals
+    _state["original"] = loss.reduce_weighted_values
+    loss.reduce_weighted_values = _make_reduce_weighted_values(loss.reduce_weighted_values, loss)
     _state["applied"] = True
     return True
 
 
 def _unapply():
     """Restores stock Keras (tests compare against it)."""
-    loss = _loss_module()
-    for name, original in _state["originals"].items():
-        setattr(loss, name, original)
+    if _state["applied"]:
+        _loss_module().reduce_weighted_values = _state["original"]
     _state["applied"] = False

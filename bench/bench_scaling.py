@@ -6,8 +6,9 @@ replicas (one process each) and under `multi_worker` with 1, 2, 4 processes on l
 gradient compression and with gradient accumulation k=1 and k=4: the four variants
 train one after the other in the same process(es). Each variant's numbers come from
 `tfscale.callbacks.CommunicationProfiler` (worker 0's report): step time (wall clock of
-the profiled steps), all-reduce fraction and launches per step (under `multi_worker`
-these also count the loss/metric all-reduce tfscale's multi-worker fix adds) and bytes
+the profiled steps), all-reduce fraction and launches per step (these also count the
+loss's own launch, its sum and denominators, `tfscale.compat.keras_loss_denominator`, and
+under `multi_worker` the loss/metric all-reduce tfscale's multi-worker fix adds) and bytes
 per step (the gradients' size in the all-reduce dtype over k; see the callback).
 Efficiency is T1 / (N x TN), T the
 time per example: examples_per_s(N) / (N x examples_per_s(1)) within one

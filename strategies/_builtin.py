@@ -20,6 +20,7 @@ from tfscale._auto import tpu_named as _tpu_named
 from tfscale.cluster import ClusterSpec
 from tfscale.compat import (
     collective_keys,
+    keras_loss_denominator,
     keras_multi_worker,
     keras_optimizer,
     keras_steps_per_execution,
@@ -144,6 +145,7 @@ def _mirrored(options):
     strategy = tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
     collective_keys.reserve_key_range()
     keras_optimizer.apply()  # Clip after the all-reduce; accumulation; options reach it.
+    keras_loss_denominator.apply()  # Mean losses over the global batch (uneven, masked).
     _communication.configure(strategy, **dataclasses.asdict(communication))
     _zero.configure(strategy, zero_stage)
     return strategy
@@ -178,6 +180,7 @@ def _multi_worker(options, cluster):
     )
     keras_multi_worker.apply()
     keras_optimizer.apply()
+    keras_loss_denominator.apply()
     strategy = build_within(
         cluster,
         cluster_timeout,

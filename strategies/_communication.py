@@ -13,7 +13,7 @@ import math
 import tensorflow as tf
 
 from tfscale import _strategy_spec as _spec
-from tfscale.compat import tf_communication
+from tfscale.compat import keras_loss_denominator, tf_communication
 from tfscale.strategies._errors import StrategyError
 
 __all__ = ["COMPRESSIONS", "IMPLEMENTATIONS", "Communication", "configure", "of"]
@@ -126,11 +126,12 @@ def traced_all_reduces(graph):
     `tf.function` that runs one training step under the strategy), one per replica
     per pack, with the size of the tensor each sends. Launches inside `tf.cond`
     branches (the fp16 overflow fallback) live in branch functions and are not
-    counted: they run only on the steps that take that branch.
+    counted: they run only on the steps that take that branch. Nor are the loss's own
+    (a few scalars per loss term, `tfscale.compat.keras_loss_denominator`).
     """
     launches = []
     for op in graph.get_operations():
-        if op.type == "CollectiveReduceV2":
+        if op.type == "CollectiveReduceV2" and keras_loss_denominator.NAME_SCOPE not in op.name.split("/"):
             tensor = op.inputs[0]
             launches.append((tensor.dtype.name, tensor.shape.num_elements() * tensor.dtype.size))
     return launches

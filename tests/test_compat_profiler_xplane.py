@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfscale.compat import profiler_xplane
+from tfscale.compat import keras_loss_denominator, profiler_xplane
 from tfscale.strategies import get
 
 
 def _profiled_launches(tmp_path, options, steps=8):
-    """All-reduce launches per replica while `fit` runs `steps` micro-steps under the profiler."""
+    """(gradient, loss) all-reduce launches per replica while `fit` runs `steps` micro-steps
+    under the profiler (the loss's: its sum and denominator, `keras_loss_denominator`)."""
     x, y = workers.data(steps)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(workers.GLOBAL_BATCH)
     strategy = get("mirrored", cpu_replicas=2)
@@ -27,7 +28,9 @@ def _profiled_launches(tmp_path, options, steps=8):
         tf.profiler.experimental.stop()
     events = profiler_xplane.collective_events(profiler_xplane.latest_trace(str(tmp_path)))
     assert all(e.duration_s > 0 and e.instance_key >= 0 for e in events)
-    return len(events) / strategy.num_replicas_in_sync
+    loss = sum(keras_loss_denominator.NAME_SCOPE in e.name.split("/") for e in events)
+    replicas = strategy.num_replicas_in_sync
+    return (len(events) - loss) / replicas, loss / replicas
 
 
 def test_the_private_reader_still_finds_tensorflows_protobuf():
@@ -37,8 +40,8 @@ def test_the_private_reader_still_finds_tensorflows_protobuf():
 def test_accumulation_launches_once_per_k_micro_steps(tmp_path):
     every_step = _profiled_launches(tmp_path / "k1", {})
     every_fourth = _profiled_launches(tmp_path / "k4", {"gradient_accumulation_steps": 4})
-    assert every_step == 8  # One pack per step (bytes_per_pack=0).
-    assert every_fourth == pytest.approx(every_step / 4)
+    assert every_step == (8, 8)  # One gradient pack per step (bytes_per_pack=0), one loss launch.
+    assert every_fourth == (pytest.approx(every_step[0] / 4), 8)  # The loss's: every micro-step.
 
 
 def _profile_fit(log_dir, options, profile_steps=(3, 6)):
@@ -60,7 +63,8 @@ def test_communication_profiler_reports_launches_and_fraction(tmp_path, options,
     import json
 
     report = _profile_fit(tmp_path, options)
-    assert report["allreduce_launches_per_step"] == launches
+    # The gradients' launches, and the loss's one every step (`keras_loss_denominator`).
+    assert report["allreduce_launches_per_step"] == launches + 1
     assert 0 < report["allreduce_fraction"] < 1
     assert report["profiled_steps"] == [3, 6]
     # The test model's 178 float32 parameters, all-reduced once per k micro-steps.

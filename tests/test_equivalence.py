@@ -36,22 +36,13 @@ WIDE_TIER = os.environ.get("TFSCALE_EQUIVALENCE")  # "ci" or "full": on demand
 _MIRRORED = "mirrored is TensorFlow's own MirroredStrategy (the reference mode, not a tfscale split): "
 _BN = _MIRRORED + "each replica normalises its half of the batch by that half's statistics"
 _DROPOUT = _MIRRORED + "each replica draws its own Dropout mask"
-_UNEVEN = _MIRRORED + "Keras weighs each replica's mean loss equally on an uneven last batch (README)"
-_MASKED = _MIRRORED + "Keras averages a masked per-timestep loss per replica, not over the batch"
 KNOWN = {
     "mirrored-1-2-muon-clipnorm-batchnorm-metrics_masked": _BN,
-    "mirrored-1-2-adagrad-weight_decay-gru_timestep_masked-fit": _MASKED,
-    "mirrored-1-2-adamw-clipnorm-embedding_repeated-uneven_numpy": _UNEVEN,
-    "mirrored-1-2-lamb-ema-conv-uneven_tf_data": _UNEVEN,
     "mirrored-1-2-sgd_momentum-none-batchnorm_inference-class_weight": _BN,
-    "mirrored-1-2-lion-clipvalue-gru_timestep_masked-lr_callback": _MASKED,
-    "mirrored-1-2-loss_scale-clipnorm-regularizers-uneven_tf_data": _UNEVEN,
     "mirrored-1-2-sgd_nesterov-lr_schedule-batchnorm-steps_per_execution": _BN,
     "mirrored-1-2-muon-accumulation-dropout-predict": _DROPOUT,
     "mirrored-1-2-sgd-clipvalue-batchnorm-save_load_weights": _BN,
     "mirrored-1-2-adadelta-lr_schedule-batchnorm-sample_weight": _BN,
-    "mirrored-1-2-muon-accumulation-attention-uneven_numpy": _UNEVEN,
-    "mirrored-1-2-adagrad-ema-custom-uneven_numpy": _UNEVEN,
     "mirrored-1-2-sgd-global_clipnorm-dropout-save_load_weights": _DROPOUT,
     "mirrored-1-2-sgd_momentum-global_clipnorm-batchnorm_inference-metrics_masked": _BN,
 }

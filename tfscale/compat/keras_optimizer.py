@@ -56,7 +56,7 @@ from tfscale.compat import keras_optimizer_zero as zero
 from tfscale.compat import tf_communication
 from tfscale.compat.keras_multi_worker import _version_tuple
 
-__all__ = ["apply", "is_applied", "needed"]
+__all__ = ["all_reduce_exact", "apply", "is_applied", "needed"]
 
 # First Keras release whose TF optimizer clips after the all-reduce and accumulates
 # without merge_call; None while upstream is unfixed.
@@ -119,6 +119,17 @@ def _zero_step(optimizer):
     strategy = tf.distribute.get_strategy()
     launcher = _collective_ops(strategy)._launchers[tf.distribute.get_replica_context()._replica_id]
     return zero.Step(optimizer, launcher, _options(strategy)[1], all_reduce_sum)
+
+
+def all_reduce_exact(values):
+    """SUM-all-reduces dense `values` across replicas, as they are (no compression).
+
+    In the replica context of a traced Mirrored/MWMS step (`_active()`), with the
+    strategy's communication options; for small exact values such as loss denominators
+    (`keras_loss_denominator`).
+    """
+    strategy = tf.distribute.get_strategy()
+    return _launch(strategy, list(values), _options(strategy)[1])
 
 
 def all_reduce_sum(grads):

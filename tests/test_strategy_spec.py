@@ -9,6 +9,7 @@ rule again (an `ast` scan of every installed module).
 
 import ast
 import dataclasses
+import inspect
 import pathlib
 import re
 import subprocess
@@ -113,6 +114,20 @@ def test_options_are_frozen_dataclasses_with_a_default_for_each():
 
 def _as_written(value):
     return f'`"{value}"`' if isinstance(value, str) else str(value)
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy"),
+    [
+        ("pipeline", tfscale.strategies.PipelineStrategy),
+        ("model_split", tfscale.strategies.ModelSplitStrategy),
+    ],
+)
+def test_help_shows_each_option_with_the_spec_default(name, strategy):
+    """The classes take `**options`; their signature (help(), editors) is the spec's fields."""
+    shown = {p.name: p.default for p in inspect.signature(strategy).parameters.values()}
+    fields = {f.name: f.default for f in dataclasses.fields(spec.OPTIONS[name]) if f.name != "cpu_replicas"}
+    assert shown == fields
 
 
 def test_the_docs_state_the_spec_defaults():

@@ -22,6 +22,7 @@ flag error in the flags), so each message stays where its caller's style is.
 """
 
 import dataclasses
+import inspect
 from typing import Any, Literal, Optional, Sequence, Union
 
 from tfscale import _auto
@@ -53,6 +54,7 @@ __all__ = [
     "option_names",
     "owners",
     "schedule_problem",
+    "signature",
 ]
 
 # The values an option may take, where they are a closed set.
@@ -202,6 +204,21 @@ def option_names(name):
 def owners(option):
     """The strategies that take `option`, in `NAMES` order."""
     return tuple(name for name in OPTIONS if option in option_names(name))
+
+
+def signature(name, leave_out=("cpu_replicas",)):
+    """The keyword-only signature of strategy `name`'s options, defaults included.
+
+    A class that takes `**options` sets it as its `__signature__`, so `help()`,
+    `inspect.signature` and editors show each option and its default from here.
+    """
+    return inspect.Signature(
+        [
+            inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default)
+            for field in dataclasses.fields(OPTIONS[name])
+            if field.name not in leave_out
+        ]
+    )
 
 
 def in_words(values):

@@ -65,8 +65,10 @@ class ModelSplitStrategy:
     >>> strategy.report(split)  # per device: layers, params, param_bytes
     """
 
+    __signature__ = _spec.signature("model_split")  # help() lists each option with its default
+
     def __init__(self, **options):
-        accepted = [name for name in _spec.option_names("model_split") if name != "cpu_replicas"]
+        accepted = list(self.__signature__.parameters)
         reject_unknown("model_split", set(options) - set(accepted), accepted)
         options = _spec.OPTIONS["model_split"](**options)
         balance, tensor_parallel, tensor_layers = (

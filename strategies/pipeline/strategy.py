@@ -90,8 +90,10 @@ class PipelineStrategy:
         StrategyError: an option out of range, or D x S more than the devices.
     """
 
+    __signature__ = _spec.signature("pipeline")  # help() lists each option with its default
+
     def __init__(self, **options):
-        accepted = [name for name in _spec.option_names("pipeline") if name != "cpu_replicas"]
+        accepted = list(self.__signature__.parameters)
         reject_unknown("pipeline", set(options) - set(accepted), accepted)
         options = _spec.OPTIONS["pipeline"](**options)
         schedule, recompute = options.schedule, options.recompute

@@ -27,7 +27,7 @@ backup included.
 
 Every change of size is logged with its reason and the new TF_CONFIGs. Tasks see
 `TFSCALE_ELASTIC_WORKERS=MIN:MAX` and `TFSCALE_ELASTIC_BATCH=global|per_replica`
-(see `_elastic_batch.py` for what `tfscale-train` does with them).
+(see `tfscale/_task_protocol.py` for what `tfscale-train` does with them).
 
 Workers only: a chief, parameter servers or an evaluator make no sense in a job
 whose size changes (`MultiWorkerMirroredStrategy` is the elastic strategy).
@@ -41,8 +41,7 @@ import time
 
 from absl import flags
 
-from tfscale.launch import _discovery, _remote, jobs, supervisor
-from tfscale.launch._elastic_batch import (
+from tfscale._task_protocol import (
     ELASTIC_BATCH_MODES,
     ELASTIC_BATCH_VAR,
     ELASTIC_WORKERS_VAR,
@@ -52,6 +51,7 @@ from tfscale.launch._elastic_batch import (
     elastic_batch,
     parse_num_workers,
 )
+from tfscale.launch import _discovery, _remote, jobs, supervisor
 from tfscale.launch.supervisor import Failure, LaunchError, LaunchResult
 
 __all__ = [

@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Mapping, Optional, Tuple
 
-from tfscale.errors import Error
+from tfscale.errors import LaunchError
 from tfscale.launch import _procs
 from tfscale.launch._output import OutputPump
 
@@ -47,10 +47,6 @@ _POLL_SECONDS = 0.05
 # SIGHUP too: tasks run in their own sessions, so a closed terminal would not reach them.
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _ROLES = ("completes", "server", "sidecar")
-
-
-class LaunchError(Error):
-    """Bad input to the launcher: a flag, a host list, a command that cannot start."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,15 +184,29 @@ def test_checker_names_the_bad_edge(graph, expected):
     assert any(expected in v for v in _violations(graph))
 
 
-def test_the_restart_count_variable_is_named_by_its_owner_alone():
-    # The launcher <-> task protocol (tfscale/_task_protocol.py) owns the variable's name.
+@pytest.mark.parametrize(
+    "variable",
+    [
+        "TFSCALE_RESTART_COUNT",
+        "TFSCALE_JOB_ID",
+        "TFSCALE_ELASTIC_WORKERS",
+        "TFSCALE_ELASTIC_BATCH",
+        "TF_CONFIG",
+    ],
+)
+def test_each_launcher_task_variable_is_named_by_its_owner_alone(variable):
+    # The launcher <-> task protocol (tfscale/_task_protocol.py) owns the variables' names.
     owner = ROOT / "tfscale" / "_task_protocol.py"
     naming = [
         path
         for path in _modules().values()
         if any(
-            isinstance(node, ast.Constant) and node.value == "TFSCALE_RESTART_COUNT"
+            isinstance(node, ast.Constant) and node.value == variable
             for node in ast.walk(ast.parse(path.read_text()))
         )
     ]
     assert naming == [owner]
+
+
+def test_the_training_binary_reads_the_task_protocol_without_importing_the_launcher():
+    assert not {m for m in _graph()["tfscale.train"] if m.startswith("tfscale.launch")}

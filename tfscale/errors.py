@@ -9,7 +9,7 @@ traceback. Callers branch on these types, never on message text.
 
 import sys
 
-__all__ = ["BAD_INPUT", "FAILED_RUN", "Error", "first_line", "report"]
+__all__ = ["BAD_INPUT", "FAILED_RUN", "Error", "LaunchError", "first_line", "report"]
 
 BAD_INPUT = 2  # a flag, a TF_CONFIG, a hostfile, an option: what `absl` and argparse exit with
 FAILED_RUN = 1  # the input was fine, the run was not (a task died, a backup dir is torn)
@@ -24,6 +24,12 @@ class Error(ValueError):
     """
 
     exit_status = BAD_INPUT
+
+
+class LaunchError(Error):
+    """Bad input to the launcher (a flag, a host list, a command that cannot start) or to
+    the launcher <-> task protocol (an elastic batch that does not split); defined here,
+    below both, and re-exported by `tfscale.launch.supervisor`."""
 
 
 def first_line(error):

@@ -236,18 +236,15 @@ def _backup_callback(config, global_batch, elastic):
 
 def _elastic(config, global_batch, replicas):
     """Under `tfscale-launch --num_workers MIN:MAX`: the config, global batch and rule for this size."""
-    from tfscale.launch.elastic import elastic_batch
-    from tfscale.launch.supervisor import LaunchError
-
     try:
-        elastic = elastic_batch(
+        elastic = _task_protocol.elastic_batch(
             global_batch,
             config.learning_rate,
             num_replicas=replicas,
             num_workers=config.cluster.num_workers if config.cluster is not None else 1,
             per_replica_batch_size=config.per_replica_batch_size,
         )
-    except LaunchError as e:
+    except errors.LaunchError as e:
         raise TrainError(str(e)) from None
     if elastic is None:
         return config, global_batch, None

@@ -66,6 +66,18 @@ def test_fixed_keras_still_matches_one_device_under_mirrored():
     np.testing.assert_allclose(run["predict"], reference["predict"], rtol=1e-5, atol=1e-6)
 
 
+def test_apply_strategy_fixes_puts_every_data_parallel_fix_in_effect():
+    """All three data-parallel fixes, and the iterator parking still in effect after them: the
+    multi-worker fix replaces `_maybe_symbolic_build`, so a process's first `get("mirrored")`
+    used to drop the parking `get` had applied just before (until the next `get`)."""
+    assert tfscale.compat.apply_strategy_fixes() == {"multi_worker": True, "optimizer": True, "loss": True}
+    from keras.src.backend.tensorflow import trainer
+
+    build = trainer.TensorFlowTrainer._maybe_symbolic_build
+    assert getattr(build, "_tfscale_kept", False)  # the parking, around the multi-worker build
+    assert build.__wrapped__.__module__ == "tfscale.compat.keras_multi_worker"
+
+
 def test_hand_built_and_tfscale_mirrored_strategies_coexist_in_one_process():
     """Without fresh collective keys the second strategy aborts ("joining a group with size 4").
 

@@ -26,7 +26,7 @@ _LOCAL_HOST = "127.0.0.1"
 
 
 def keras_compat_dir():
-    """The folder whose `sitecustomize.py` applies the Keras multi-worker fixes when Keras loads."""
+    """The folder whose `sitecustomize.py` calls `tfscale.compat.apply_strategy_fixes()` as Keras loads."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_keras_compat")
 
 
@@ -146,7 +146,7 @@ class LocalJob:
         chief: add a "chief" task (True; a host is refused: every task runs here).
         num_ps: "ps" tasks (needs `chief`).
         evaluator: add an "evaluator" task (True, like `chief`).
-        keras_compat: put the Keras 3 multi-worker fix shim on `PYTHONPATH`.
+        keras_compat: put the Keras 3 compat shim on `PYTHONPATH` (Mirrored/MWMS fixes).
         environ: the environment the tasks start from (default `os.environ`).
     """
 

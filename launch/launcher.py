@@ -68,8 +68,9 @@ def define_flags(fv):
     flags.DEFINE_bool(
         "keras_compat",
         False,
-        "Apply tfscale's Keras 3 multi-worker fixes in every task "
-        "(via a sitecustomize on PYTHONPATH), for programs that do not import tfscale.",
+        "Apply tfscale's Keras 3 fixes for Mirrored/MultiWorkerMirrored strategies in every task "
+        "(the set tfscale.strategies.get applies, via a sitecustomize on PYTHONPATH), for "
+        "programs that build their own strategy and do not import tfscale.",
         flag_values=fv,
     )
     flags.register_validator("log_dir", _valid_log_dir, flag_values=fv)

@@ -15,18 +15,11 @@ import urllib.parse
 import tensorflow as tf
 
 from tfscale import _strategy_spec as _spec
+from tfscale import compat
 from tfscale._auto import choose as _choose_auto
 from tfscale._auto import tpu_named as _tpu_named
 from tfscale.cluster import ClusterSpec
-from tfscale.compat import (
-    collective_keys,
-    keras_loss_denominator,
-    keras_multi_worker,
-    keras_optimizer,
-    keras_steps_per_execution,
-    keras_symbolic_build,
-    tf_custom_gradient,
-)
+from tfscale.compat import collective_keys, keras_multi_worker
 from tfscale.strategies import _communication, _zero
 from tfscale.strategies._devices import (
     cpu_device_names,
@@ -138,14 +131,13 @@ def _mirrored(options):
                 "Expected 'hierarchical_copy' or 'reduction_to_one_device' on CPU."
             )
         ops = _CROSS_DEVICE_OPS[cross_device_ops]()
+    # The one set of Keras fixes for Mirrored/MWMS, also `tfscale-launch --keras_compat`'s.
+    compat.apply_strategy_fixes()
     # Fresh collective keys on both sides: strategies built before or after this one
     # (by tfscale or by hand) must not share group keys with it.
-    keras_multi_worker.apply()  # Also fixes uneven per-replica batches under MirroredStrategy.
     collective_keys.reserve_key_range()
     strategy = tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
     collective_keys.reserve_key_range()
-    keras_optimizer.apply()  # Clip after the all-reduce; accumulation; options reach it.
-    keras_loss_denominator.apply()  # Mean losses over the global batch (uneven, masked).
     _communication.configure(strategy, **dataclasses.asdict(communication))
     _zero.configure(strategy, zero_stage)
     return strategy
@@ -178,9 +170,7 @@ def _multi_worker(options, cluster):
         timeout_seconds=timeout_seconds,
         implementation=communication,
     )
-    keras_multi_worker.apply()
-    keras_optimizer.apply()
-    keras_loss_denominator.apply()
+    compat.apply_strategy_fixes()  # The same set as `_mirrored` and `tfscale-launch --keras_compat`.
     strategy = build_within(
         cluster,
         cluster_timeout,
@@ -365,13 +355,7 @@ def get(name="auto", *, cluster=None, **options):
         arguments.append(_cluster(cluster))
     elif cluster is not None:
         _cluster(cluster)  # Checked for every name, used by the ones that run in a cluster.
-    # Each traced train step would otherwise keep its graph for the process's life (TF's
-    # custom-gradient registry; see there): a notebook or a sweep training model after model.
-    tf_custom_gradient.release_with_graph()
-    # Every `fit` under a strategy would drop a live distributed iterator at once (a TF
-    # teardown race that segfaults now and then; see there).
-    keras_symbolic_build.keep_first_input_iterator()
-    keras_symbolic_build.park_interrupted_inputs()
-    # steps_per_execution > 1 crashes Keras's multi-step loop on 2+ replicas (see there).
-    keras_steps_per_execution.run_executions_step_by_step()
+    # Custom-gradient graphs freed, input iterators parked, steps_per_execution step by step
+    # (tfscale/compat/__init__.py); "mirrored" and "multi_worker" add theirs in the builder.
+    compat.apply_every_strategy_fixes()
     return builder(*arguments)

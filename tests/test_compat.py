@@ -4,9 +4,13 @@ The multi-worker behaviour the fixes exist for is tested on real clusters in
 tests/test_multi_worker.py (with and without the fix).
 """
 
+import importlib.util
+import inspect
+import os
 import signal
 import subprocess
 import sys
+import types
 from unittest import mock
 
 import _foundation_workers as workers
@@ -64,6 +68,124 @@ def test_fixed_keras_still_matches_one_device_under_mirrored():
     for got, want in zip(run["weights"], reference["weights"]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(run["predict"], reference["predict"], rtol=1e-5, atol=1e-6)
+
+
+# What `get("mirrored" | "multi_worker")` calls in tfscale.compat to build and configure
+# the strategy object itself: not Keras fixes, so a hand-built strategy needs none of them.
+STRATEGY_PLUMBING = {
+    "tfscale.compat.collective_keys.reserve_key_range",
+    "tfscale.compat.tf_communication.attach",
+    "tfscale.compat.keras_optimizer_zero.set_stage",
+}
+
+
+def _record_compat_calls(monkeypatch):
+    """Records (and still runs) every outermost call of a public function of a tfscale.compat module.
+
+    Outermost: `apply()` calling its own `needed()` is not recorded (only the first `apply`
+    in a process does).
+    """
+    calls, depth = [], [0]
+
+    def recording(qualified, function):
+        def record(*args, **kwargs):
+            if not depth[0]:
+                calls.append(qualified)
+            depth[0] += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return record
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("tfscale.compat."):
+            for attribute in getattr(module, "__all__", ()):
+                function = getattr(module, attribute, None)
+                if inspect.isfunction(function):
+                    monkeypatch.setattr(module, attribute, recording(f"{name}.{attribute}", function))
+    return calls
+
+
+def _keras_compat_shim():
+    from tfscale.launch.jobs import keras_compat_dir
+
+    path = os.path.join(keras_compat_dir(), "sitecustomize.py")
+    spec = importlib.util.spec_from_file_location("_tfscale_keras_compat_under_test", path)
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)  # Keras is loaded here already: installs no hook
+    return shim
+
+
+class _LoadedKeras:
+    """Stands in for Keras's own loader: the module is already loaded."""
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        pass
+
+
+def test_keras_compat_shim_applies_the_fixes_get_applies_for_mirrored_and_multi_worker(monkeypatch):
+    """`tfscale-launch --keras_compat` once applied only the multi-worker fix: a hand-built MWMS
+    then clipped per replica and took per-replica loss means. Now the shim and both builders
+    apply one list (`tfscale.compat.apply_strategy_fixes`); a fix added to one only fails here."""
+    from tfscale.strategies import _builtin, _communication
+
+    calls = _record_compat_calls(monkeypatch)
+    get("mirrored", cpu_replicas=2)
+    mirrored = list(calls)
+    calls.clear()
+    # The multi-worker builder's fixes without a cluster: the strategy itself is not built.
+    monkeypatch.setattr(_builtin, "build_within", lambda *args: types.SimpleNamespace())
+    monkeypatch.setattr(_communication, "configure", lambda *args, **kwargs: None)
+    get("multi_worker")
+    multi_worker = list(calls)
+    calls.clear()
+    shim = _keras_compat_shim()
+    shim._ApplyAfterLoad(_LoadedKeras()).exec_module(types.ModuleType("keras"))
+    shimmed = list(calls)
+
+    fixes = {"tfscale.compat." + name for name in ("keras_multi_worker.apply", "keras_optimizer.apply",
+                                                    "keras_loss_denominator.apply")}  # fmt: skip
+    assert fixes <= set(shimmed)
+    assert set(mirrored) - STRATEGY_PLUMBING == set(shimmed)
+    assert set(multi_worker) - STRATEGY_PLUMBING == set(shimmed)
+    for run in (mirrored, multi_worker, shimmed):
+        # The iterator parking wraps the trainer's `_maybe_symbolic_build`, which the
+        # multi-worker fix replaces: it must be applied after it, or it is lost.
+        last_parking = (
+            len(run) - 1 - run[::-1].index("tfscale.compat.keras_symbolic_build.keep_first_input_iterator")
+        )
+        assert run.index("tfscale.compat.keras_multi_worker.apply") < last_parking
+
+
+def test_keras_compat_shim_prints_one_line_and_lets_the_program_run_when_a_fix_fails(monkeypatch, capsys):
+    def fail():
+        raise RuntimeError("no such Keras internals")
+
+    monkeypatch.setattr(tfscale.compat, "apply_strategy_fixes", fail)
+    shim = _keras_compat_shim()
+    shim._ApplyAfterLoad(_LoadedKeras()).exec_module(types.ModuleType("keras"))
+    err = capsys.readouterr().err
+    assert err == (
+        "tfscale-launch --keras_compat: could not apply the Keras fixes: "
+        "RuntimeError('no such Keras internals')\n"
+    )
+
+
+def test_apply_strategy_fixes_puts_every_data_parallel_fix_in_effect():
+    """All three data-parallel fixes, and the iterator parking still in effect after them: the
+    multi-worker fix replaces `_maybe_symbolic_build`, so a process's first `get("mirrored")`
+    used to drop the parking `get` had applied just before (until the next `get`)."""
+    assert tfscale.compat.apply_strategy_fixes() == {"multi_worker": True, "optimizer": True, "loss": True}
+    from keras.src.backend.tensorflow import trainer
+
+    build = trainer.TensorFlowTrainer._maybe_symbolic_build
+    assert getattr(build, "_tfscale_kept", False)  # the parking, around the multi-worker build
+    assert build.__wrapped__.__module__ == "tfscale.compat.keras_multi_worker"
 
 
 def test_hand_built_and_tfscale_mirrored_strategies_coexist_in_one_process():

@@ -285,7 +285,7 @@ SNIPPETS = [
         why="a bench script, run by hand (minutes, not a test): its figures are this page's scaling table",
     ),
     Snippet(
-        "tfscale.compat.apply_multi_worker_fixes()          # once",
+        "tfscale.compat.apply_strategy_fixes()              # once",
         page="docs/keras-multi-worker.md",
     ),
     Snippet(

@@ -3,8 +3,9 @@
 #
 #   tfscale-launch --num_workers 2 --keras_compat -- python main.py
 #
-# (`--keras_compat` makes Keras 3 `fit` work under MultiWorkerMirroredStrategy
-# without touching this file; see README, section tfscale-launch.)
+# (`--keras_compat` applies tfscale's Keras 3 fixes for this strategy without
+# touching this file: `fit` works under MultiWorkerMirroredStrategy, and clipping
+# and loss means give one device's numbers; see docs/launch.md, `--keras_compat`.)
 import json
 import os
 

@@ -1,14 +1,17 @@
-"""Applies tfscale's Keras 3 multi-worker fixes in programs that do not know about tfscale.
+"""Applies tfscale's Keras 3 fixes for Mirrored/MWMS in programs that do not know about tfscale.
 
 `tfscale-launch --keras_compat` puts this folder first on the tasks'
 `PYTHONPATH`. Python imports `sitecustomize` at start-up (unless run with
 `-S` or `-I`); this one installs an import hook and nothing else: when the
 program (or TensorFlow, for `tf.keras`) imports `keras`, the hook calls
-`tfscale.compat.apply_multi_worker_fixes()` right after Keras has loaded, so
-the TensorFlow tutorial's `main.py` that builds its own
-`tf.distribute.MultiWorkerMirroredStrategy()` can `fit` unchanged. Programs
-that never import Keras are untouched. A `sitecustomize` further down
-`sys.path` (a distribution's own) still runs.
+`tfscale.compat.apply_strategy_fixes()` right after Keras has loaded: the same
+set `tfscale.strategies.get("mirrored" | "multi_worker")` applies (`fit` works
+under MWMS, clipping after the all-reduce, mean losses over the global batch,
+and the rest; tfscale/compat/__init__.py). So the TensorFlow tutorial's
+`main.py` that builds its own `tf.distribute.MultiWorkerMirroredStrategy()` can
+`fit` unchanged, with plain Keras's one-device numbers. Programs that never
+import Keras are untouched. A `sitecustomize` further down `sys.path` (a
+distribution's own) still runs.
 """
 
 import importlib.abc
@@ -34,9 +37,9 @@ class _ApplyAfterLoad(importlib.abc.Loader):
     def exec_module(self, module):
         self._inner.exec_module(module)
         try:
-            from tfscale.compat import apply_multi_worker_fixes
+            from tfscale.compat import apply_strategy_fixes
 
-            apply_multi_worker_fixes()
+            apply_strategy_fixes()
         except Exception as e:  # never break the user's program from a shim
             print(f"tfscale-launch --keras_compat: could not apply the Keras fixes: {e!r}", file=sys.stderr)
 

@@ -191,6 +191,7 @@ def test_checker_names_the_bad_edge(graph, expected):
         "TFSCALE_JOB_ID",
         "TFSCALE_ELASTIC_WORKERS",
         "TFSCALE_ELASTIC_BATCH",
+        "TFSCALE_RESULT",
         "TF_CONFIG",
     ],
 )

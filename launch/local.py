@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from tfscale._task_protocol import TF_CONFIG_VAR
+from tfscale._task_protocol import RESULT_VAR, TF_CONFIG_VAR
 from tfscale.cluster import ClusterSpec
 from tfscale.errors import FAILED_RUN, Error
 from tfscale.launch import _procs
@@ -131,7 +131,7 @@ def run_local_cluster(
         for task_type, index in tasks:
             task_env = dict(os.environ, **(env or {}))
             task_env[TF_CONFIG_VAR] = cluster.to_json(task_type, index)
-            task_env["TFSCALE_RESULT"] = os.path.join(workdir, f"{task_type}-{index}.result")
+            task_env[RESULT_VAR] = os.path.join(workdir, f"{task_type}-{index}.result")
             log_path = os.path.join(workdir, f"{task_type}-{index}.log")
             with open(log_path, "wb") as log_file:
                 procs.append(_procs.start(argv, env=task_env, log_file=log_file))

@@ -29,7 +29,7 @@ from tfscale.strategies._devices import (
     split_cpu,
 )
 from tfscale.strategies._errors import StrategyError
-from tfscale.strategies._options import positive_int, reject_unknown
+from tfscale.strategies._options import check, reject_unknown
 from tfscale.strategies._peers import build_within, check_cluster_timeout
 from tfscale.strategies._replicas import check_data_parallel
 
@@ -44,15 +44,6 @@ _CROSS_DEVICE_OPS = {
     "reduction_to_one_device": tf.distribute.ReductionToOneDevice,
 }
 _TPU_PROBE_SECONDS = 5.0
-
-
-def _choice(argument, value, choices):
-    if not isinstance(value, str) or value not in choices:  # a list is unhashable: a TypeError
-        raise StrategyError(
-            f"Invalid value for argument `{argument}`. Received: {argument}={value!r}. "
-            f"Expected one of {sorted(choices)}."
-        )
-    return value
 
 
 def _num_gpus():
@@ -108,7 +99,7 @@ def _mirrored(options):
         )
     if num_gpus is not None:
         available = _num_gpus()
-        if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or not 0 < num_gpus <= available:
+        if check("num_gpus", num_gpus) > available:
             raise StrategyError(
                 f"Invalid value for argument `num_gpus`. Received: num_gpus={num_gpus!r}. "
                 + (
@@ -124,7 +115,7 @@ def _mirrored(options):
         devices = _local_devices(devices, "devices")
     ops = None
     if cross_device_ops is not None:
-        _choice("cross_device_ops", cross_device_ops, _spec.CROSS_DEVICE_OPS)
+        check("cross_device_ops", cross_device_ops)
         if cross_device_ops == "nccl" and not _num_gpus():
             raise StrategyError(
                 "`cross_device_ops='nccl'` needs GPUs and none is visible here. "
@@ -143,20 +134,13 @@ def _mirrored(options):
     return strategy
 
 
-def _positive_number(value):
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
-
-
 def _multi_worker(options, cluster):
     communication, timeout_seconds = options.communication, options.timeout_seconds
     cluster_resolver, cpu_replicas = options.cluster_resolver, options.cpu_replicas
-    _choice("communication", communication, _spec.COMMUNICATIONS)
+    check("communication", communication)
     cluster_timeout = check_cluster_timeout(options.cluster_timeout)
-    if timeout_seconds is not None and not _positive_number(timeout_seconds):
-        raise StrategyError(
-            f"Invalid value for argument `timeout_seconds`. Received: "
-            f"timeout_seconds={timeout_seconds!r}. Expected a positive number of seconds."
-        )
+    if timeout_seconds is not None:
+        check("timeout_seconds", timeout_seconds)
     if cpu_replicas is not None:
         split_cpu(cpu_replicas)
     collectives = tf.distribute.experimental.CommunicationOptions(
@@ -260,11 +244,11 @@ def _class_options(name, options):
             "Expected at most one of them."
         )
     names = split_cpu(cpu_replicas)
-    data_parallel = positive_int("data_parallel", options.data_parallel)
+    data_parallel = check("data_parallel", options.data_parallel)
     count_argument, per_copy = _spec.copy_devices(name, options)
     if per_copy is None:
         per_copy = len(names) // data_parallel or 1
-    positive_int(count_argument, per_copy)
+    check(count_argument, per_copy)
     check_data_parallel(data_parallel, per_copy, len(names), count_argument=count_argument)
     kwargs.pop("num_devices", None)  # model_split: the devices given now say K
     return {**kwargs, "devices": names[: data_parallel * per_copy]}

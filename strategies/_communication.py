@@ -8,13 +8,12 @@ none). Hand-built strategies get the same with `configure(strategy, ...)`.
 """
 
 import dataclasses
-import math
 
 import tensorflow as tf
 
 from tfscale import _strategy_spec as _spec
 from tfscale.compat import keras_loss_denominator, tf_communication
-from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._options import check
 
 __all__ = ["COMPRESSIONS", "IMPLEMENTATIONS", "Communication", "configure", "of"]
 
@@ -26,10 +25,6 @@ IMPLEMENTATIONS = {
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
-
-
-def _is_number(value):
-    return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,32 +53,12 @@ class Communication:
     implementation: str = _spec.MultiWorkerOptions.communication
 
     def __post_init__(self):
-        compression = self.gradient_compression
-        choices = (None, *_spec.GRADIENT_COMPRESSIONS)
-        if not (compression is None or isinstance(compression, str)) or compression not in choices:
-            raise StrategyError(
-                "Invalid value for argument `gradient_compression`. Received: "
-                f"gradient_compression={self.gradient_compression!r}. Expected one of "
-                f"{', '.join(map(repr, choices))}."
-            )
-        pack = self.bytes_per_pack  # nan and inf: int() would raise ValueError / OverflowError
-        if not (_is_number(pack) and math.isfinite(pack) and int(pack) == pack) or (self.bytes_per_pack < 0):
-            raise StrategyError(
-                "Invalid value for argument `bytes_per_pack`. Received: "
-                f"bytes_per_pack={self.bytes_per_pack!r}. Expected an integer >= 0 (0: one pack)."
-            )
-        if self.timeout_seconds is not None and not (
-            _is_number(self.timeout_seconds) and self.timeout_seconds > 0
-        ):
-            raise StrategyError(
-                "Invalid value for argument `timeout_seconds`. Received: "
-                f"timeout_seconds={self.timeout_seconds!r}. Expected a positive number of seconds."
-            )
-        if not isinstance(self.implementation, str) or self.implementation not in _spec.COMMUNICATIONS:
-            raise StrategyError(
-                "Invalid value for argument `implementation`. Received: "
-                f"implementation={self.implementation!r}. Expected one of {sorted(_spec.COMMUNICATIONS)}."
-            )
+        if self.gradient_compression is not None:  # None: the gradients' own dtype
+            check("gradient_compression", self.gradient_compression)
+        check("bytes_per_pack", self.bytes_per_pack)
+        if self.timeout_seconds is not None:
+            check("timeout_seconds", self.timeout_seconds)
+        check("communication", self.implementation, argument="implementation")
 
     @property
     def compression_dtype(self):

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfscale.compat import tf_custom_gradient
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._options import check
 
 __all__ = [
     "available_devices",
@@ -63,11 +64,7 @@ def split_cpu(num_devices):
         StrategyError: `num_devices` is not a positive integer, or the runtime
             is already initialized with fewer logical CPU devices.
     """
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise StrategyError(
-            f"Invalid value for argument `cpu_replicas`. Received: "
-            f"cpu_replicas={num_devices!r}. Expected a positive integer."
-        )
+    check("cpu_replicas", num_devices)
     # As strategies.get does (see there); here too because a process that splits its CPU
     # (the test suite, the CPU examples) often trains plain Keras models before any get().
     tf_custom_gradient.release_with_graph()

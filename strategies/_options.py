@@ -1,16 +1,22 @@
 """Checking a strategy's options: one wording for every strategy's bad input."""
 
+from tfscale import _strategy_spec as _spec
 from tfscale.strategies._errors import StrategyError
 
-__all__ = ["positive_int", "reject_unknown"]
+__all__ = ["check", "reject_unknown"]
 
 
-def positive_int(name, value):
-    """`value` if it is a positive int, else `StrategyError` naming argument `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise StrategyError(
-            f"Invalid value for argument `{name}`. Received: {name}={value!r}. Expected a positive integer."
-        )
+def check(option, value, argument=None):
+    """`value` if it keeps the spec's rule for `option` (`_spec.RULES`), else `StrategyError`.
+
+    Args:
+        option: a key of `tfscale._strategy_spec.RULES`.
+        value: the value given.
+        argument: the name the error shows, where the caller's differs from `option`.
+    """
+    problem = _spec.option_problem(option, value, argument)
+    if problem:
+        raise StrategyError(problem)
     return value
 
 

@@ -22,6 +22,7 @@ import time
 from tfscale import _strategy_spec as _spec
 from tfscale.compat.tf_sigterm import SigtermDefault
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._options import check
 
 __all__ = ["DEFAULT_CLUSTER_TIMEOUT", "ClusterTimeoutError", "build_within", "check_cluster_timeout"]
 
@@ -47,12 +48,7 @@ class ClusterTimeoutError(StrategyError):
 
 def check_cluster_timeout(value):
     """`value` as float seconds if it is a positive finite number, else `StrategyError`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise StrategyError(
-            f"Invalid value for argument `cluster_timeout`. Received: cluster_timeout={value!r}. "
-            "Expected a positive, finite number of seconds."
-        )
-    return float(value)
+    return float(check("cluster_timeout", value))
 
 
 def _split(address):

@@ -32,6 +32,7 @@ from tfscale.compat import keras_weight_decay
 from tfscale.strategies import _gradients
 from tfscale.strategies._devices import device_key
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._options import check
 from tfscale.strategies._placement import place_slots_with_variables, variable_device
 
 __all__ = ["Replicas", "check_data_parallel", "draw_as_whole_batch", "group_devices"]
@@ -52,11 +53,7 @@ def check_data_parallel(data_parallel, per_replica, devices_here, *, count_argum
     Raises:
         StrategyError: D not a positive int, or D x per_replica more than the devices.
     """
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise StrategyError(
-            f"Invalid value for argument `data_parallel`. Received: data_parallel={data_parallel!r}. "
-            "Expected a positive integer."
-        )
+    check("data_parallel", data_parallel)
     if devices_here is not None and data_parallel * per_replica > devices_here:
         raise StrategyError(
             f"Invalid value for argument `data_parallel`. Received: data_parallel={data_parallel} x "

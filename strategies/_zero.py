@@ -5,9 +5,9 @@ strategy; the optimizers built in its scope then keep their slots as 1/N shards
 (`tfscale.compat.keras_optimizer_zero` holds the mechanism, which needs Keras internals).
 """
 
-from tfscale import _strategy_spec as _spec
 from tfscale.compat import keras_optimizer_zero
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._options import check
 
 __all__ = ["STAGES", "check_stage", "configure"]
 
@@ -16,11 +16,7 @@ STAGES = (0, 1, 2)  # 3 (parameters sharded at rest) is not built yet
 
 def check_stage(stage):
     """`stage` if it is a ZeRO stage this strategy runs, else `StrategyError` naming it."""
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in _spec.ZERO_STAGES:
-        raise StrategyError(
-            f"Invalid value for argument `zero_stage`. Received: zero_stage={stage!r}. "
-            f"Expected an integer {_spec.in_words(_spec.ZERO_STAGES)}."
-        )
+    check("zero_stage", stage)
     if stage not in STAGES:
         raise StrategyError(
             f"zero_stage={stage} (parameters sharded at rest) is not available yet. Expected one of "

@@ -4,8 +4,9 @@ test_pipeline, test_hybrid, test_generality and test_model_split each compare a 
 with the unsplit one trained on one device; the pieces they had written four times live here
 once: a model built after seeding Keras, the tiny MLP and the uneven MLP, SGD-with-momentum
 compile and a `fit` that returns the history, a per-key cache of the reference run, a fit
-interrupted after its first epoch and resumed from a backup, and fixed layer timings for the
-partitioner. test_data_parallel_keras_equivalence interrupts its fits the same way.
+interrupted after its first epoch and resumed from a backup (of either class,
+`each_backup_class`), and fixed layer timings for the partitioner.
+test_data_parallel_keras_equivalence interrupts its fits the same way.
 """
 
 import keras
@@ -13,12 +14,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfscale.callbacks
 from tfscale.strategies import _partition
+from tfscale.strategies._placement import variable_device
 
 __all__ = [
     "StopAfterEpoch",
+    "assert_stage_placed",
     "assert_weights_close",
     "compile_sgd",
+    "each_backup_class",
     "fit",
     "fix_layer_times",
     "interrupted_then_resumed",
@@ -117,6 +122,14 @@ class StopAfterEpoch(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
+# A split model resumes from either backup: Keras's own and tfscale's (`backup_class`).
+each_backup_class = pytest.mark.parametrize(
+    "backup_class",
+    [keras.callbacks.BackupAndRestore, tfscale.callbacks.BackupAndRestore],
+    ids=["keras", "tfscale"],
+)
+
+
 def interrupted_then_resumed(first, make_second, backup, fit_model):
     """Fits `first` until `StopAfterEpoch` interrupts it, then a new model from `backup`.
 
@@ -131,6 +144,16 @@ def interrupted_then_resumed(first, make_second, backup, fit_model):
         fit_model(first, [backup, StopAfterEpoch()])
     second = make_second()
     return second, fit_model(second, [backup])
+
+
+def assert_stage_placed(stage, device, optimizer):
+    """`stage` runs on `device`, and so do its trainable variables and their momentum slots."""
+    assert stage.device == device
+    momenta = {v.path.split("/", 1)[1]: v for v in optimizer.variables}
+    for variable in stage.trainable_variables:
+        assert variable_device(variable).endswith(device[1:])
+        slot = momenta[variable.path.replace("/", "_") + "_momentum"]
+        assert variable_device(slot).endswith(device[1:])
 
 
 def assert_weights_close(got, want, *, rtol, atol):

@@ -17,6 +17,7 @@ import _foundation_workers as workers
 import numpy as np
 import pytest
 import tensorflow as tf
+from _compat_gate import version_gate_test
 
 import tfscale.compat
 from tfscale.compat import keras_multi_worker
@@ -29,20 +30,7 @@ FAST_REPRESENTATIVES = {
 }
 
 
-@pytest.mark.parametrize(
-    ("version", "fixed_in", "needed"),
-    [
-        ("3.15.1", None, True),
-        ("3.0.0", None, True),
-        ("2.15.0", None, False),
-        ("3.15.1", "3.16.0", True),
-        ("3.16.0", "3.16.0", False),
-        ("3.17.0rc1", "3.16.0", False),
-    ],
-)
-def test_fix_is_version_gated(version, fixed_in, needed):
-    with mock.patch.object(keras_multi_worker, "_FIXED_IN", fixed_in):
-        assert keras_multi_worker.needed(version) is needed
+test_fix_is_version_gated = version_gate_test(keras_multi_worker)
 
 
 def test_apply_is_a_no_op_where_upstream_is_fixed():

@@ -6,13 +6,13 @@ Every run is compared with the single-device run with the same global batch. The
 """
 
 import functools
-from unittest import mock
 
 import _optimizer_workers as workers
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _compat_gate import version_gate_test
 
 from tfscale.compat import keras_optimizer
 from tfscale.strategies import get
@@ -45,18 +45,7 @@ def _max_difference(got, want):
     return max(float(np.max(np.abs(g - w))) for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize(
-    ("version", "fixed_in", "needed"),
-    [
-        ("3.15.1", None, True),
-        ("2.15.0", None, False),
-        ("3.15.1", "3.16.0", True),
-        ("3.16.0", "3.16.0", False),
-    ],
-)
-def test_fix_is_version_gated(version, fixed_in, needed):
-    with mock.patch.object(keras_optimizer, "_FIXED_IN", fixed_in):
-        assert keras_optimizer.needed(version) is needed
+test_fix_is_version_gated = version_gate_test(keras_optimizer)
 
 
 # Every option on 2 replicas in the fast tier; 4 replicas (the same code path) in the full run.

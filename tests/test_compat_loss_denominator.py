@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _compat_gate import version_gate_test
 
 import tfscale.compat
 from tfscale.compat import keras_loss_denominator
@@ -207,18 +208,7 @@ def test_stock_keras_differs(name):
     assert max(differences.values()) > 1e-4, differences
 
 
-@pytest.mark.parametrize(
-    ("version", "fixed_in", "needed"),
-    [
-        ("3.15.1", None, True),
-        ("2.15.0", None, False),
-        ("3.15.1", "3.16.0", True),
-        ("3.16.0", "3.16.0", False),
-    ],
-)
-def test_fix_is_version_gated(version, fixed_in, needed):
-    with mock.patch.object(keras_loss_denominator, "_FIXED_IN", fixed_in):
-        assert keras_loss_denominator.needed(version) is needed
+test_fix_is_version_gated = version_gate_test(keras_loss_denominator)
 
 
 def test_apply_is_a_no_op_where_upstream_is_fixed_or_the_functions_are_gone():

@@ -24,6 +24,9 @@ from tfscale.strategies import StrategyError
 
 RTOL, ATOL = 1e-5, 1e-5
 BATCH, SAMPLES = 16, 32
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {"test_dropout_draws_the_one_device_masks": 1}
 
 MODES = {
     "pipeline": dict(name="pipeline", num_stages=2, num_microbatches=2, data_parallel=2, balance="uniform"),
@@ -80,6 +83,18 @@ def _assert_equal(got, expected, got_weights, expected_weights):
         np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
 
 
+def _train_two_epochs(model):
+    """The training most cases compare: Adam(0.02), 2 epochs."""
+    model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
+    return _fit(model, epochs=2)
+
+
+def _assert_trains_like_one_device(mode, build, train=_train_two_epochs):
+    """`train` on `build()` split by `mode` gives one device's losses and weights."""
+    (got, got_w), (expected, expected_w), _ = _run(mode, build, train)
+    _assert_equal(got, expected, got_w, expected_w)
+
+
 def _run(mode, build, train):
     """`train(model)` on `build()` split by `mode` and on one device: both (history, weights)."""
     with tf.device("/device:CPU:0"):
@@ -123,8 +138,7 @@ def test_learning_rate_callbacks_reach_every_copy(mode, callback):
         model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
         return _fit(model, callbacks=[_LR_CALLBACKS[callback]()])
 
-    (got, got_w), (expected, expected_w), _ = _run(mode, _mlp, train)
-    _assert_equal(got, expected, got_w, expected_w)
+    _assert_trains_like_one_device(mode, _mlp, train)
 
 
 @pytest.mark.parametrize("mode", _modes(fast="layer"))
@@ -135,8 +149,7 @@ def test_adamw_exclude_from_weight_decay_holds_in_every_copy(mode):
         model.optimizer.exclude_from_weight_decay(var_list=layer.trainable_weights, var_names=["bias"])
         return _fit(model)
 
-    (got, got_w), (expected, expected_w), _ = _run(mode, _mlp, train)
-    _assert_equal(got, expected, got_w, expected_w)
+    _assert_trains_like_one_device(mode, _mlp, train)
 
 
 @pytest.mark.parametrize("mode", _modes(fast="layer"))
@@ -151,8 +164,7 @@ def test_freeze_train_unfreeze_train_again(mode):
         second = _fit(model, epochs=1)
         return {"loss": first["loss"] + second["loss"]}
 
-    (got, got_w), (expected, expected_w), _ = _run(mode, _mlp, train)
-    _assert_equal(got, expected, got_w, expected_w)
+    _assert_trains_like_one_device(mode, _mlp, train)
 
 
 @pytest.mark.parametrize("mode", _modes())
@@ -162,12 +174,7 @@ def test_frozen_before_split_stays_frozen_in_every_copy(mode):
         model.get_layer("d2").trainable = False
         return model
 
-    def train(model):
-        model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
-        return _fit(model, epochs=2)
-
-    (got, got_w), (expected, expected_w), _ = _run(mode, build, train)
-    _assert_equal(got, expected, got_w, expected_w)
+    _assert_trains_like_one_device(mode, build)
 
 
 @pytest.mark.parametrize("mode", _modes(fast="tensor"))
@@ -214,12 +221,7 @@ def test_frozen_batch_norm_trains_like_one_device(mode):
         layer.trainable = False
         return model
 
-    def train(model):
-        model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
-        return _fit(model, epochs=2)
-
-    (got, got_w), (expected, expected_w), _ = _run(mode, build, train)
-    _assert_equal(got, expected, got_w, expected_w)
+    _assert_trains_like_one_device(mode, build)
 
 
 @pytest.mark.parametrize("mode", _modes(fast="layer"))
@@ -270,23 +272,11 @@ def test_recompiling_with_the_optimizer_built_for_other_variables_is_refused():
         _fit(split, epochs=1)
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        "layer",
-        pytest.param("tensor", marks=pytest.mark.slow),
-        pytest.param("pipeline_m1", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("mode", ["layer", "tensor", "pipeline_m1"])
 def test_dropout_draws_the_one_device_masks(mode):
     # Each copy's rows of one whole-batch draw: the masks one device draws. (A pipeline with
     # M > 1 draws per micro-batch, with data_parallel=1 too: not covered here.)
-    def train(model):
-        model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
-        return _fit(model, epochs=2)
-
-    (got, got_w), (expected, expected_w), _ = _run(mode, lambda: _mlp(dropout=True), train)
-    _assert_equal(got, expected, got_w, expected_w)
+    _assert_trains_like_one_device(mode, lambda: _mlp(dropout=True))
 
 
 @pytest.mark.parametrize(
@@ -310,5 +300,4 @@ def test_a_last_batch_that_the_copies_do_not_divide_trains_as_one_device(mode, s
             data = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
         return model.fit(**data, epochs=2, shuffle=False, verbose=0).history
 
-    (got, got_w), (expected, expected_w), _ = _run(mode, lambda: _mlp(dropout=True), train)
-    _assert_equal(got, expected, got_w, expected_w)
+    _assert_trains_like_one_device(mode, lambda: _mlp(dropout=True), train)

@@ -136,27 +136,22 @@ def test_a_perturbed_weight_in_the_mode_is_a_difference():
     assert broken.outcome == "DIFFER" and broken.detail.startswith("weights[0] off by 3e-05"), broken
 
 
-def test_a_refusal_on_several_lines_is_a_crash():
+_ONE_LINE = "Invalid value for argument `x`. Expected one line."
+
+
+@pytest.mark.parametrize(
+    ("at", "message", "outcome", "detail"),
+    [
+        ("split", _ONE_LINE.replace(" Expected", "\nExpected"), "CRASH", "not one line"),
+        ("fit", _ONE_LINE, "CRASH", "after weights changed"),
+        ("split", _ONE_LINE, "REFUSED", ""),
+    ],
+    ids=["several_lines_is_a_crash", "after_a_step_is_a_crash", "one_line_before_any_step_passes"],
+)
+def test_a_refusal_passes_only_on_one_line_before_any_step(at, message, outcome, detail):
     def refuse(stage, model):
-        if stage == "split":
-            raise errors.Error("Invalid value for argument `x`.\nExpected one line.")
+        if stage == at:
+            raise errors.Error(message)
 
-    outcome = eq.run_case(_PLAIN, tamper=refuse)
-    assert outcome.outcome == "CRASH" and "not one line" in outcome.detail, outcome
-
-
-def test_a_refusal_after_a_step_is_a_crash():
-    def refuse_late(stage, model):
-        if stage == "fit":
-            raise errors.Error("Invalid value for argument `x`. Expected one line.")
-
-    outcome = eq.run_case(_PLAIN, tamper=refuse_late)
-    assert outcome.outcome == "CRASH" and "after weights changed" in outcome.detail, outcome
-
-
-def test_a_one_line_refusal_before_any_step_passes():
-    def refuse(stage, model):
-        if stage == "split":
-            raise errors.Error("Invalid value for argument `x`. Expected one line.")
-
-    assert eq.run_case(_PLAIN, tamper=refuse).outcome == "REFUSED"
+    got = eq.run_case(_PLAIN, tamper=refuse)
+    assert got.outcome == outcome and detail in got.detail, got

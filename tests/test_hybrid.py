@@ -14,7 +14,6 @@ import tensorflow as tf
 import tfscale.callbacks
 import tfscale.strategies
 from tfscale.strategies import PipelineStrategy, StrategyError
-from tfscale.strategies._placement import variable_device
 
 # The fast tier keeps the first N cases of these parametrized tests; the rest run in the
 # full suite only (conftest.py, `FAST_REPRESENTATIVES`).
@@ -143,14 +142,8 @@ def test_each_replica_stage_and_its_slots_live_on_their_own_device():
     optimizers = pipelined._plan.data_parallel.optimizers
     assert optimizers[0] is pipelined.optimizer
     for r, (stages, optimizer) in enumerate(zip(pipelined.replicas, optimizers)):
-        momenta = {v.path.split("/", 1)[1]: v for v in optimizer.variables}
         for s, stage in enumerate(stages):
-            device = devices[r * 2 + s]
-            assert stage.device == device
-            for variable in stage.trainable_variables:
-                assert variable_device(variable).endswith(device[1:])
-                slot = momenta[variable.path.replace("/", "_") + "_momentum"]
-                assert variable_device(slot).endswith(device[1:])
+            helpers.assert_stage_placed(stage, devices[r * 2 + s], optimizer)
 
 
 def test_replicas_resync_after_set_weights():
@@ -220,11 +213,7 @@ def test_model_split_x_data_parallel_trains_like_one_device(tensor_parallel, tmp
             np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize(
-    "backup_class",
-    [keras.callbacks.BackupAndRestore, tfscale.callbacks.BackupAndRestore],
-    ids=["keras", "tfscale"],
-)
+@helpers.each_backup_class
 def test_backup_and_restore_of_pipeline_x_data_parallel(tmp_path, backup_class):
     x, y = _data("mlp")
     expected, weights = _reference("mlp")

@@ -7,6 +7,7 @@ models.py and launch/launcher.py.
 
 import ast
 import pathlib
+from xml.etree import ElementTree
 
 import pytest
 
@@ -191,6 +192,7 @@ def test_checker_names_the_bad_edge(graph, expected):
         "TFSCALE_JOB_ID",
         "TFSCALE_ELASTIC_WORKERS",
         "TFSCALE_ELASTIC_BATCH",
+        "TFSCALE_RESULT",
         "TF_CONFIG",
     ],
 )
@@ -210,3 +212,26 @@ def test_each_launcher_task_variable_is_named_by_its_owner_alone(variable):
 
 def test_the_training_binary_reads_the_task_protocol_without_importing_the_launcher():
     assert not {m for m in _graph()["tfscale.train"] if m.startswith("tfscale.launch")}
+
+
+def _pictured():
+    """{layer group id: the modules its boxes name} in the README's picture of the layers."""
+    svg = ElementTree.parse(ROOT / "docs" / "img" / "layers.svg").getroot()
+    return {
+        group.get("id"): {t.get("data-module") for t in group.iter() if t.get("data-module")}
+        for group in svg.iter("{http://www.w3.org/2000/svg}g")
+    }
+
+
+def test_the_picture_of_the_layers_shows_the_rule_checked_here():
+    # README.md and docs/layout.md show docs/img/layers.svg: each box is in the layer this
+    # test gives its module, and the top two layers are drawn whole.
+    pictured, modules = _pictured(), _modules()
+    assert sorted(pictured) == ["binaries", "capabilities", "core"]
+    assert pictured["binaries"] == BINARIES
+    assert pictured["capabilities"] == set(CAPABILITIES)
+    core = ("errors", "cluster", "callbacks", "compat", "_strategy_spec", "_task_protocol", "_save_policy")
+    assert pictured["core"] == {f"tfscale.{name}" for name in core}
+    for name, layer in (("binaries", BINARY), ("capabilities", CAPABILITY), ("core", CORE)):
+        for module in pictured[name]:
+            assert module in modules and _layer(module) == layer, (module, name)

@@ -16,6 +16,9 @@ from tfscale.strategies import BalanceError, ModelSplitError, ModelSplitStrategy
 
 RTOL, ATOL = 1e-5, 1e-5
 VOCAB, SEQ = 16, 7
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {"test_layer_split_carries_the_embedding_mask_to_the_rnn": 1}
 
 
 def _tokens(n=32, seed=0):
@@ -89,14 +92,7 @@ RNNS = {
 }
 
 
-@pytest.mark.parametrize(
-    "rnn",
-    [
-        "lstm",
-        pytest.param("gru", marks=pytest.mark.slow),
-        pytest.param("bidirectional", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("rnn", list(RNNS))
 def test_layer_split_carries_the_embedding_mask_to_the_rnn(rnn):
     strategy, _, _ = assert_like_keras(
         embedding_lstm(RNNS[rnn]), {"num_devices": 2, "balance": [1, 2]}, *_tokens(), "adam"

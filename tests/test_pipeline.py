@@ -18,9 +18,9 @@ import tensorflow as tf
 
 import tfscale.callbacks
 import tfscale.strategies
+from tfscale import _strategy_spec as spec
 from tfscale.compat import tf_xplane
 from tfscale.strategies import BalanceError, PipelineStrategy, StrategyError
-from tfscale.strategies._placement import variable_device
 from tfscale.strategies.pipeline import schedules as _schedule
 from tfscale.strategies.pipeline import timeline as _timeline
 
@@ -141,13 +141,8 @@ def test_recompute_reruns_each_stage_forward_in_its_backward():
 def test_variables_and_optimizer_slots_live_on_their_stage_device():
     pipelined = _compile(_wrap("mlp", num_stages=4, num_microbatches=2))
     pipelined.fit(*_data("mlp"), batch_size=BATCH, epochs=1, verbose=0)
-    momenta = {v.path.split("/", 1)[1]: v for v in pipelined.optimizer.variables}
     for stage, device in zip(pipelined.stages, tfscale.strategies.split_cpu(4)):
-        assert stage.device == device
-        for variable in stage.trainable_variables:
-            assert variable_device(variable).endswith(device[1:])
-            slot = momenta[variable.path.replace("/", "_") + "_momentum"]
-            assert variable_device(slot).endswith(device[1:])
+        helpers.assert_stage_placed(stage, device, pipelined.optimizer)
 
 
 def test_partition_reports_the_chosen_split():
@@ -233,11 +228,7 @@ def test_evaluate_predict_and_weights_files_match_unsplit_model(tmp_path):
     np.testing.assert_array_equal(other.get_weights()[0], pipelined.get_weights()[0])
 
 
-@pytest.mark.parametrize(
-    "backup_class",
-    [keras.callbacks.BackupAndRestore, tfscale.callbacks.BackupAndRestore],
-    ids=["keras", "tfscale"],
-)
+@helpers.each_backup_class
 def test_backup_and_restore_resumes_like_an_uninterrupted_run(tmp_path, backup_class):
     x, y = _data("mlp")
     expected, weights = _reference("mlp")
@@ -345,6 +336,8 @@ def test_split_merge_report_are_the_model_split_verbs():
 
 
 def test_a_schedule_is_one_registered_function(monkeypatch):
+    # A schedule is its spec entry (its constraints) and its function in the registry.
+    monkeypatch.setitem(spec.SCHEDULES, "gpipe-copy", spec.SCHEDULES["gpipe"])
     monkeypatch.setitem(_schedule.SCHEDULES, "gpipe-copy", _schedule.SCHEDULES["gpipe"])
     x, y = _data("mlp")
     expected, _ = _reference("mlp")

@@ -269,8 +269,8 @@ SNIPPETS = [
         r"global_batch_size=0\. Expected a positive integer\.\n"
         r"CallbackError \| Invalid value for argument `initial_lr`\. Received: initial_lr=-1\.0\. "
         r"Expected a non-negative finite number\.\n"
-        r"StrategyError \| Unknown pipeline schedule\. Received: schedule='pipedream'\. "
-        r"Expected one of 1f1b, gpipe, interleaved, zb-h1\.\n",
+        r"StrategyError \| Invalid value for argument `schedule`\. Received: schedule='pipedream'\. "
+        r"Expected one of \['gpipe', '1f1b', 'interleaved', 'zb-h1'\]\.\n",
     ),
     Snippet(
         "CallbackError | Invalid value for argument `global_batch_size`.",

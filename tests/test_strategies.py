@@ -113,13 +113,15 @@ def _closed_port():
         (
             "mirrored",
             {"cross_device_ops": "ring"},
-            r"cross_device_ops='ring'\. Expected one of \['hierarchical_copy'",
+            # The spec's order, as `--cross_device_ops` lists them.
+            r"cross_device_ops='ring'\. Expected one of \['nccl', 'hierarchical_copy', "
+            r"'reduction_to_one_device'\]\.$",
         ),
         ("mirrored", {"cross_device_ops": "nccl"}, r"`cross_device_ops='nccl'` needs GPUs"),
         (
             "multi_worker",
             {"communication": "mpi"},
-            r"communication='mpi'\. Expected one of \['auto', 'nccl', 'ring'\]",
+            r"communication='mpi'\. Expected one of \['auto', 'ring', 'nccl'\]\.$",
         ),
         ("multi_worker", {"timeout_seconds": -1}, r"timeout_seconds=-1\. Expected a positive number"),
         ("one_device", {"device": "not a device"}, r"device='not a device'\. Expected a device name"),

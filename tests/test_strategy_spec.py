@@ -90,6 +90,21 @@ def test_a_schedule_rule_is_its_entry_for_the_flags_and_the_strategy(monkeypatch
         tfscale.strategies.get("pipeline", num_microbatches=3, schedule="1f1b")
 
 
+def test_a_range_rule_is_its_entry_for_the_flags_and_the_strategy(monkeypatch):
+    at_least_two = spec.Rule(lambda v: isinstance(v, int) and v >= 2, "an integer >= 2")
+    monkeypatch.setitem(spec.RULES, "num_microbatches", at_least_two)
+    with pytest.raises(flags.IllegalFlagValueError, match=r"--num_microbatches expects an integer >= 2\."):
+        _parse("--strategy=pipeline", "--num_microbatches=1")
+    message = (
+        r"^Invalid value for argument `num_microbatches`\. Received: num_microbatches=1\. "
+        r"Expected an integer >= 2\.$"
+    )
+    with pytest.raises(StrategyError, match=message):
+        tfscale.strategies.get("pipeline", num_microbatches=1)
+    with pytest.raises(StrategyError, match=message):
+        tfscale.strategies.PipelineStrategy(num_microbatches=1)
+
+
 def test_every_schedule_of_the_spec_has_its_function_and_the_constraints_fit_it():
     assert list(schedules.SCHEDULES) == list(spec.SCHEDULES)
     for name, function in schedules.SCHEDULES.items():
@@ -173,6 +188,9 @@ BUILDING_BLOCKS = {
     ("strategies/pipeline/schedules.py", "virtual_stages=2"),  # interleaved's own plain case
     ("strategies/pipeline/step.py", "virtual_stages=1"),
     ("strategies/pipeline/step.py", "recompute=False"),
+    # The registry refuses a function whose name has no spec entry: the spec's set is read, not
+    # restated.
+    ("strategies/pipeline/schedules.py", "a check against SCHEDULES"),
 }
 
 
@@ -232,10 +250,55 @@ def _schedule_rules(node):
             yield "a rule keyed on a schedule's name"
 
 
+# The options whose type and range the spec states (`spec.RULES`), and its closed sets of values.
+RULED = set(spec.RULES)
+SPEC_SETS = {"SCHEDULES", "ZERO_STAGES", "COMMUNICATIONS", "CROSS_DEVICE_OPS", "GRADIENT_COMPRESSIONS"}
+_ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+
+
+def _number(node):
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float)
+
+
+def _range_checks(node):
+    """A type or range check of an option the spec has a `Rule` for, written again.
+
+    An `if` that raises on `num_stages < 1` or on `stage not in ZERO_STAGES`, or a flag
+    validator of its own (`register_validator("num_stages", ...)`): the spec's rule is read
+    through `spec.option_problem` / `spec.RULES` instead. (A comparison that picks a
+    behaviour, `if data_parallel > 1:`, raises nothing and is not a check.)
+    """
+    raises = isinstance(node, ast.If) and any(isinstance(s, ast.Raise) for s in node.body)
+    for compare in ast.walk(node.test) if raises else ():
+        if not isinstance(compare, ast.Compare):
+            continue
+        operands = [compare.left, *compare.comparators]
+        named = sorted({_names(o) for o in operands} & RULED)
+        if any(isinstance(op, _ORDERING) for op in compare.ops) and named and any(map(_number, operands)):
+            yield f"a range check of {named[0]}"
+        if any(isinstance(op, (ast.In, ast.NotIn)) for op in compare.ops):
+            for name in sorted({_names(c) for c in compare.comparators} & SPEC_SETS):
+                yield f"a check against {name}"
+    if isinstance(node, ast.Call) and _names(node.func) == "register_validator" and node.args:
+        first = node.args[0]
+        if isinstance(first, ast.Constant) and first.value in RULED:
+            yield f"a flag validator of {first.value}"
+    # for name in ("num_stages", ...): register_validator(name, ...)
+    if isinstance(node, ast.For) and isinstance(node.iter, ast.Tuple) and isinstance(node.target, ast.Name):
+        calls = [n for s in node.body for n in ast.walk(s) if isinstance(n, ast.Call)]
+        if any(
+            _names(c.func) == "register_validator" and c.args and _names(c.args[0]) == node.target.id
+            for c in calls
+        ):
+            for item in node.iter.elts:
+                if isinstance(item, ast.Constant) and item.value in RULED:
+                    yield f"a flag validator of {item.value}"
+
+
 def _restated(tree):
-    """Yields `(line, what)` for each option default or schedule rule written in `tree`."""
+    """Yields `(line, what)` for each option default, schedule rule or range check written in `tree`."""
     for node in ast.walk(tree):
-        found = list(_fallbacks(node)) + list(_schedule_rules(node))
+        found = list(_fallbacks(node)) + list(_schedule_rules(node)) + list(_range_checks(node))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             found += _defaults(node)
         elif isinstance(node, ast.AnnAssign) and node.value is not None:
@@ -269,6 +332,11 @@ def test_defaults_and_schedule_rules_are_written_only_in_the_spec():
         ("bad = self.num_microbatches % self.num_stages", "rounds-of-S"),
         ("if schedule == 'interleaved': pass", "schedule's name"),
         ("class O:\n    schedule: str = '1f1b'", "schedule='1f1b'"),
+        ("if isinstance(n, int) and num_stages < 1: raise E()", "range check of num_stages"),
+        ("if not 0 < options.cluster_timeout: raise E()", "range check of cluster_timeout"),
+        ("if stage not in _spec.ZERO_STAGES:\n    raise E()", "check against ZERO_STAGES"),
+        ("flags.register_validator('bytes_per_pack', lambda v: v >= 0)", "flag validator of bytes_per_pack"),
+        ("for n in ('cpu_replicas', 'x'):\n    register_validator(n, f)", "flag validator of cpu_replicas"),
     ],
 )
 def test_the_scan_finds_a_restated_default_or_rule(source, found):

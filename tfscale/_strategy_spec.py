@@ -10,6 +10,9 @@ and check a strategy. Each name, default and rule is written here once, and nowh
 - `SCHEDULES`: pipeline schedule name -> `Schedule`, that schedule's constraints as fields;
   `schedule_problem` applies them (the op orders live in `strategies/pipeline/schedules.py`,
   which registers one function per entry here).
+- `RULES`: option -> `Rule`, the type and range of its values (a positive integer, one of
+  `SCHEDULES`, ...); `option_problem` applies one. The strategies raise it, the flags'
+  validators say it for their flag: no other module checks an option's range again.
 - `expected_replicas`, `copy_devices`, `microbatches`: what the options alone say about
   replicas, the devices of one model copy and micro-batches (flags check a batch with them
   before TensorFlow starts; `get` places a model-parallel copy with `copy_devices`).
@@ -23,7 +26,8 @@ flag error in the flags), so each message stays where its caller's style is.
 
 import dataclasses
 import inspect
-from typing import Any, Literal, Optional, Sequence, Union
+import math
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 from tfscale import _auto
 
@@ -36,6 +40,7 @@ __all__ = [
     "MODEL_PARALLEL",
     "NAMES",
     "OPTIONS",
+    "RULES",
     "SCHEDULES",
     "ZERO_STAGES",
     "AutoOptions",
@@ -45,6 +50,7 @@ __all__ = [
     "MultiWorkerOptions",
     "OneDeviceOptions",
     "PipelineOptions",
+    "Rule",
     "Schedule",
     "TPUOptions",
     "copy_devices",
@@ -52,6 +58,7 @@ __all__ = [
     "in_words",
     "microbatches",
     "option_names",
+    "option_problem",
     "owners",
     "schedule_problem",
     "signature",
@@ -254,6 +261,84 @@ def schedule_problem(schedule, options):
             f"schedule={options.schedule!r}. Expected False: its W ops need each layer's kept output."
         )
     return None
+
+
+def _integer(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """The values an option takes, the entry of `RULES` for it.
+
+    Attributes:
+        holds: `holds(value)` is true for a valid value.
+        expected: the valid values in words, as the errors end ("Expected {expected}."); a
+            function of nothing where they are read from a table that may grow (`SCHEDULES`).
+    """
+
+    holds: Callable[[Any], bool]
+    expected: Union[str, Callable[[], str]]
+
+    def in_words(self):
+        """`expected`, as words."""
+        return self.expected() if callable(self.expected) else self.expected
+
+
+def _one_of(values):
+    """A `Rule` for a closed set of strings, `values()` (read when checked, so a table may grow)."""
+    return Rule(lambda v: isinstance(v, str) and v in values(), lambda: f"one of {list(values())}")
+
+
+_POSITIVE_INTEGER = Rule(lambda v: _integer(v) and v >= 1, "a positive integer")
+
+# Each option's type and range, written once: the strategies check their options with
+# `option_problem`, and tfscale-train's flags validate with the same `Rule` (an option left
+# at a None default is "not given", which the caller handles).
+RULES = {
+    "num_stages": _POSITIVE_INTEGER,
+    "num_microbatches": _POSITIVE_INTEGER,
+    "virtual_stages": _POSITIVE_INTEGER,
+    "data_parallel": _POSITIVE_INTEGER,
+    "num_devices": _POSITIVE_INTEGER,
+    "cpu_replicas": _POSITIVE_INTEGER,
+    "num_gpus": _POSITIVE_INTEGER,
+    "schedule": _one_of(lambda: SCHEDULES),
+    "communication": _one_of(lambda: COMMUNICATIONS),
+    "cross_device_ops": _one_of(lambda: CROSS_DEVICE_OPS),
+    "gradient_compression": _one_of(lambda: GRADIENT_COMPRESSIONS),
+    "zero_stage": Rule(lambda v: _integer(v) and v in ZERO_STAGES, f"an integer {in_words(ZERO_STAGES)}"),
+    "bytes_per_pack": Rule(  # a whole float (64.0) too, as TensorFlow takes it
+        lambda v: _number(v) and math.isfinite(v) and v >= 0 and v == int(v), "an integer >= 0 (0: one pack)"
+    ),
+    "timeout_seconds": Rule(lambda v: _number(v) and v > 0, "a positive number of seconds"),
+    "cluster_timeout": Rule(
+        lambda v: _number(v) and 0 < v < math.inf, "a positive, finite number of seconds"
+    ),
+}
+
+
+def option_problem(option, value, argument=None):
+    """Why `value` breaks the `RULES` entry of `option`, in one line, or None.
+
+    Args:
+        option: a key of `RULES`.
+        value: the value given.
+        argument: the name to show, where the caller's argument for `option` is named
+            otherwise (e.g. `implementation` for `communication`); default `option`.
+    """
+    rule = RULES[option]
+    if rule.holds(value):
+        return None
+    argument = argument or option
+    return (
+        f"Invalid value for argument `{argument}`. Received: {argument}={value!r}. "
+        f"Expected {rule.in_words()}."
+    )
 
 
 def copy_devices(name, options):

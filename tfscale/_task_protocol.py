@@ -25,6 +25,7 @@ __all__ = [
     "ELASTIC_WORKERS_VAR",
     "JOB_ID_VAR",
     "RESTART_COUNT_VAR",
+    "RESULT_VAR",
     "TF_CONFIG_VAR",
     "ElasticBatch",
     "WorkerRange",
@@ -41,6 +42,9 @@ RESTART_COUNT_VAR = "TFSCALE_RESTART_COUNT"
 # The launcher sets it in every task: one id per job, the same across restarts (launch/jobs.py);
 # BackupAndRestore keeps it in each backup and refuses another job's backup folder.
 JOB_ID_VAR = "TFSCALE_JOB_ID"
+# `run_local_cluster` sets it in each task it starts: the file where `tfscale.launch._child`
+# pickles what the task's function returned.
+RESULT_VAR = "TFSCALE_RESULT"
 # TensorFlow's cluster description of a task (read by tfscale.cluster, written by the launcher).
 TF_CONFIG_VAR = "TF_CONFIG"
 

@@ -132,6 +132,22 @@ def _positive_or_none(value):
     return value is None or value > 0
 
 
+def _check_as_option(fv, *names):
+    """Validates each `--name` by the spec's rule for the strategy option of that name.
+
+    The rule (`tfscale._strategy_spec.RULES`) is the one `tfscale.strategies` checks the
+    option with; unset (None) means the strategy's default.
+    """
+    for name in names:
+        rule = _spec.RULES[name]
+        flags.register_validator(
+            name,
+            lambda v, rule=rule: v is None or rule.holds(v),
+            f"--{name} expects {rule.in_words()}.",
+            flag_values=fv,
+        )
+
+
 def define_strategy_flags(fv):
     """--strategy, --cpu_replicas, --num_gpus, --cross_device_ops, --communication, --tpu."""
     flags.DEFINE_enum("strategy", "auto", STRATEGIES, "Distribution strategy.", flag_values=fv)
@@ -167,12 +183,6 @@ def define_strategy_flags(fv):
     flags.DEFINE_integer(
         "bytes_per_pack", None, "Gradient all-reduce pack size in bytes (0: one pack).", flag_values=fv
     )
-    flags.register_validator(
-        "bytes_per_pack",
-        lambda v: v is None or v >= 0,
-        "--bytes_per_pack expects an integer >= 0.",
-        flag_values=fv,
-    )
     flags.DEFINE_integer(
         "zero_stage",
         None,
@@ -180,16 +190,7 @@ def define_strategy_flags(fv):
         "gradient accumulators (tfscale.strategies.get's zero_stage).",
         flag_values=fv,
     )
-    flags.register_validator(
-        "zero_stage",
-        lambda v: v is None or v in _spec.ZERO_STAGES,
-        f"--zero_stage expects {_spec.in_words(_spec.ZERO_STAGES)}.",
-        flag_values=fv,
-    )
-    for name in ("cpu_replicas", "num_gpus"):
-        flags.register_validator(
-            name, _positive_or_none, f"--{name} expects a positive integer.", flag_values=fv
-        )
+    _check_as_option(fv, "cpu_replicas", "num_gpus", "bytes_per_pack", "zero_stage")
     flags.mark_flags_as_mutual_exclusive(["cpu_replicas", "num_gpus"], flag_values=fv)
 
 
@@ -252,12 +253,7 @@ def define_cluster_flags(fv):
         "the missing tasks (exit 1).",
         flag_values=fv,
     )
-    flags.register_validator(
-        "cluster_timeout",
-        lambda v: 0 < v < float("inf"),
-        "--cluster_timeout expects a positive, finite number of seconds.",
-        flag_values=fv,
-    )
+    _check_as_option(fv, "cluster_timeout")
 
 
 class _TaskPlacementParser(flags.ArgumentParser):
@@ -577,10 +573,7 @@ def define_model_parallel_flags(fv):
         "Print the per-device memory and per-step traffic report of the split model at start.",
         flag_values=fv,
     )
-    for name in ("num_stages", "num_microbatches", "num_devices", "data_parallel"):
-        flags.register_validator(
-            name, _positive_or_none, f"--{name} expects a positive integer.", flag_values=fv
-        )
+    _check_as_option(fv, "num_stages", "num_microbatches", "num_devices", "data_parallel")
 
 
 def _valid_backup_freq(value):

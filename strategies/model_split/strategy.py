@@ -8,7 +8,7 @@ from tfscale import _strategy_spec as _spec
 from tfscale.strategies import _partition, _parts
 from tfscale.strategies._devices import local_device_names, resolve_devices
 from tfscale.strategies._errors import StrategyError
-from tfscale.strategies._options import positive_int, reject_unknown
+from tfscale.strategies._options import check, reject_unknown
 from tfscale.strategies._placement import clone_chain
 from tfscale.strategies._replicas import check_data_parallel, group_devices
 from tfscale.strategies.model_split.layers import ModelSplitError
@@ -224,7 +224,7 @@ def _resolve_devices(devices, num_devices, tensor_parallel, data_parallel):
                 f"data_parallel={data_parallel}. Expected data_parallel x K devices (K per copy)."
             )
         return names
-    per_copy = positive_int("num_devices", num_devices)
+    per_copy = check("num_devices", num_devices)
     try:
         return resolve_devices(None, data_parallel * per_copy, count_argument="num_devices", distinct=True)
     except StrategyError:

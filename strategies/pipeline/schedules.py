@@ -46,6 +46,7 @@ import re
 
 from tfscale import _strategy_spec as _spec
 from tfscale.strategies._errors import StrategyError
+from tfscale.strategies._options import check
 
 __all__ = [
     "SCHEDULES",
@@ -61,6 +62,7 @@ __all__ = [
     "order",
     "parse_op_name",
     "register",
+    "registered",
     "simulate",
     "stage_devices",
     "theoretical_bubble",
@@ -244,18 +246,13 @@ def order(schedule, num_stages, num_microbatches, virtual_stages=1):
         A list of S lists of `Op`, one list per device, in execution order.
     """
     if virtual_stages == 1:  # A schedule function written before V existed takes (S, M).
-        return _registered(schedule)(num_stages, num_microbatches)
-    return _registered(schedule)(num_stages, num_microbatches, virtual_stages)
+        return registered(schedule)(num_stages, num_microbatches)
+    return registered(schedule)(num_stages, num_microbatches, virtual_stages)
 
 
-def _registered(schedule):
-    """The `SCHEDULES` entry named `schedule`; a `StrategyError` naming the choices if none."""
-    if not isinstance(schedule, str) or schedule not in SCHEDULES:
-        raise StrategyError(
-            f"Unknown pipeline schedule. Received: schedule={schedule!r}. Expected one of "
-            f"{', '.join(sorted(SCHEDULES))}."
-        )
-    return SCHEDULES[schedule]
+def registered(schedule):
+    """The function registered as `schedule`; a `StrategyError` naming the spec's choices if none."""
+    return SCHEDULES[check("schedule", schedule)]
 
 
 def stage_devices(devices, num_stages):
@@ -406,12 +403,12 @@ def theoretical_bubble(
     GPipe and 1F1B: (S - 1) / (M + S - 1); interleaved: (S - 1) / (V M + S - 1); ZB-H1 with
     t_F = t_B = t_W: (S - 1) / (3 M + S - 1). `schedule` defaults to the pipeline's.
     """
-    return _registered(schedule).bubble(num_stages, num_microbatches, virtual_stages)
+    return registered(schedule).bubble(num_stages, num_microbatches, virtual_stages)
 
 
 def activation_bound(schedule, num_stages, num_microbatches, virtual_stages=1):
     """Per device, the most (chunk) micro-batches of activations the schedule keeps."""
-    bound = _registered(schedule).activation_bound
+    bound = registered(schedule).activation_bound
     return [bound(num_stages, num_microbatches, virtual_stages, d) for d in range(num_stages)]
 
 

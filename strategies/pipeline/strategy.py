@@ -27,7 +27,7 @@ from tfscale import _strategy_spec as _spec
 from tfscale.strategies import _partition, _parts, _replicas
 from tfscale.strategies._devices import available_devices, device_key, device_type, resolve_devices
 from tfscale.strategies._errors import StrategyError
-from tfscale.strategies._options import positive_int, reject_unknown
+from tfscale.strategies._options import check, reject_unknown
 from tfscale.strategies._placement import clone_chain, model_input, variable_device
 from tfscale.strategies._replicas import check_data_parallel, draw_as_whole_batch, group_devices
 from tfscale.strategies.pipeline import schedules
@@ -99,15 +99,10 @@ class PipelineStrategy:
         schedule, recompute = options.schedule, options.recompute
         deferred_batch_norm, serialize_stages = options.deferred_batch_norm, options.serialize_stages
         microbatch_statistics = options.microbatch_statistics
-        self.num_stages = positive_int("num_stages", options.num_stages)
-        self.num_microbatches = positive_int("num_microbatches", options.num_microbatches)
-        if not isinstance(schedule, str) or schedule not in schedules.SCHEDULES:  # a list: TypeError
-            raise StrategyError(
-                f"Invalid value for argument `schedule`. Received: schedule={schedule!r}. "
-                f"Expected one of {list(schedules.SCHEDULES)}."
-            )
-        self.virtual_stages = positive_int("virtual_stages", options.virtual_stages)
-        problem = _spec.schedule_problem(schedules.SCHEDULES[schedule].constraints, options)
+        self.num_stages = check("num_stages", options.num_stages)
+        self.num_microbatches = check("num_microbatches", options.num_microbatches)
+        self.virtual_stages = check("virtual_stages", options.virtual_stages)
+        problem = _spec.schedule_problem(schedules.registered(schedule).constraints, options)
         if problem:
             raise StrategyError(problem)
         if not isinstance(recompute, bool):

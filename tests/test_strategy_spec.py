@@ -38,7 +38,16 @@ def _parse(*args):
 
 
 def _help_line(text, flag):
-    return next(line for line in text.splitlines() if line.strip().startswith(f"--{flag}:"))
+    """A flag's help, its wrapped continuation lines (indented deeper) joined to the first."""
+    lines = text.splitlines()
+    start = next(k for k, line in enumerate(lines) if line.strip().startswith(f"--{flag}:"))
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    more = []
+    for line in lines[start + 1 :]:
+        if len(line) - len(line.lstrip()) <= indent or not line.strip():
+            break
+        more.append(line.strip())
+    return " ".join([lines[start], *more])
 
 
 def test_a_changed_default_reaches_the_help_the_flags_and_get(monkeypatch, capsys):

@@ -89,6 +89,19 @@ def test_the_flags_and_get_agree_with_the_spec_as_it_is(capsys):
     assert tfscale.flags.SCHEDULES == tuple(spec.SCHEDULES)
 
 
+def test_zb_v_from_the_flags_needs_virtual_stages_2():
+    # zb-v's entry says V is exactly 2: --virtual_stages passes it, its absence is refused
+    # by the same words as the strategy's, before TensorFlow starts.
+    fv = _parse("--strategy=pipeline", "--schedule=zb-v", "--virtual_stages=2", "--global_batch_size=16")
+    assert tfscale.flags.strategy_args(fv) == ("pipeline", {"schedule": "zb-v", "virtual_stages": 2})
+    with pytest.raises(
+        flags.IllegalFlagValueError, match=r"--schedule=zb-v: .*virtual_stages=1 .*Expected 2"
+    ):
+        _parse("--strategy=pipeline", "--schedule=zb-v", "--global_batch_size=16")
+    with pytest.raises(flags.IllegalFlagValueError, match=r"--virtual_stages expects a positive integer"):
+        _parse("--strategy=pipeline", "--virtual_stages=0")
+
+
 def test_a_schedule_rule_is_its_entry_for_the_flags_and_the_strategy(monkeypatch):
     monkeypatch.setitem(spec.SCHEDULES, "1f1b", spec.Schedule(rounds_of_stages=True))
     with pytest.raises(flags.IllegalFlagValueError, match=r"--schedule=1f1b: .*num_microbatches=3 with"):

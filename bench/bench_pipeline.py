@@ -9,12 +9,13 @@ work, as the theory (S - 1) / (M + S - 1) assumes; with 7 hidden layers the best
 - one core: the same model as a 1-stage pipeline, its ops run one at a time;
 - naive split: the model cut into 2 stages, one batch at a time (pipeline with M=1);
 - pipeline: GPipe and 1F1B with M = 1, 2, 4, 8 micro-batches; interleaved 1F1B (V = 2
-  chunks per device, the model cut into 4 chunks of 2 layers) and ZB-H1 (B and W split)
+  chunks per device, the model cut into 4 chunks of 2 layers), ZB-H1 (B and W split) and
+  ZB-V (B and W split, 2 chunks per device in a V: device 0 holds the first and the last)
   with M = 4, 8;
 - "free" rows: the same without `serialize_stages`, i.e. a stage may use both cores.
 
 `--set new` runs only the side-by-side comparison of the new schedules: one device, the
-naive split, and 1F1B, interleaved and ZB-H1 at M=8 (about a minute on a quiet machine).
+naive split, and 1F1B, interleaved, ZB-H1 and ZB-V at M=8 (about a minute on a quiet machine).
 
 TensorFlow runs each op on one thread (`intra_op` = 1) and up to 2 ops at once (`inter_op`
 = 2); with `serialize_stages` (the default on CPU) each stage runs one op at a time, so
@@ -22,7 +23,8 @@ each stage gets one core and overlap between stages is the only source of speed-
 bubble is measured on a profiled step (`PipelinedModel.trace_step`, the shortest of
 `--repeats`) and compared with the schedule's theory for equal op times
 (`schedules.theoretical_bubble`: (S - 1) / (M + S - 1) for GPipe and 1F1B,
-(S - 1) / (V M + S - 1) interleaved, (S - 1) / (3 M + S - 1) ZB-H1).
+(S - 1) / (V M + S - 1) interleaved, (S - 1) / (3 M + S - 1) ZB-H1, (S - 1) / (6 M + S - 1)
+ZB-V once 2 M >= 3 S - 1).
 Prints a table, writes `bench/results/pipeline.json` (with the load average) and the Gantt
 charts `bench/results/pipeline_timeline_{schedule}_m{M}.png`.
 
@@ -76,6 +78,7 @@ def _configs(which):
         yield "pipeline", "1f1b", {"num_microbatches": 8}
         yield "pipeline", "interleaved", {"num_microbatches": 8, "virtual_stages": 2}
         yield "pipeline", "zb-h1", {"num_microbatches": 8}
+        yield "pipeline", "zb-v", {"num_microbatches": 8, "virtual_stages": 2}
         return
     yield "one core", "1f1b", {"num_stages": 1, "num_microbatches": 1, "serialize_stages": True}
     yield "naive split free", "1f1b", {"num_microbatches": 1, "serialize_stages": False}
@@ -86,6 +89,7 @@ def _configs(which):
     for m in (4, 8):
         yield "pipeline", "interleaved", {"num_microbatches": m, "virtual_stages": 2}
         yield "pipeline", "zb-h1", {"num_microbatches": m}
+        yield "pipeline", "zb-v", {"num_microbatches": m, "virtual_stages": 2}
 
 
 def _build(name, schedule, options, args, data):
@@ -158,13 +162,15 @@ def _where_the_time_goes(trace):
     v = trace.virtual_stages
     orders = schedules.order(trace.schedule, trace.num_stages, trace.num_microbatches, v)
     replay = schedules.simulate(orders, costs, v)
-    spans = [(op.stage % trace.num_stages, a, b) for op, (a, b) in replay.items()]
+    chunks = {op.stage for lane in orders for op in lane}
+    device = {c: schedules.chunk_device(c, trace.num_stages, trace.schedule) for c in chunks}
+    spans = [(device[op.stage], a, b) for op, (a, b) in replay.items()]
     measured = {op: end - start for op, (start, end) in trace.intervals.items()}
     replay_ops = schedules.simulate(orders, {**costs, **measured}, v)
-    spans_ops = [(op.stage % trace.num_stages, a, b) for op, (a, b) in replay_ops.items()]
+    spans_ops = [(device[op.stage], a, b) for op, (a, b) in replay_ops.items()]
     per_stage = {}
     for op, (start, end) in trace.intervals.items():
-        per_stage.setdefault(f"{op.stage % trace.num_stages}{Kind(op.kind).value}", []).append(end - start)
+        per_stage.setdefault(f"{device[op.stage]}{Kind(op.kind).value}", []).append(end - start)
     return {
         "op_ms_per_device": {key: round(float(np.mean(d)) * 1e3, 1) for key, d in sorted(per_stage.items())},
         "op_ms": {kind.value: round(costs[kind] * 1e3, 1) for kind in schedules.Kind if kind in durations},

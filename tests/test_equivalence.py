@@ -155,3 +155,10 @@ def test_a_refusal_passes_only_on_one_line_before_any_step(at, message, outcome,
 
     got = eq.run_case(_PLAIN, tamper=refuse)
     assert got.outcome == outcome and detail in got.detail, got
+
+
+def test_every_mode_builds_its_strategy():
+    # A case passes when REFUSED, so a mode whose options the harness gets wrong (zb-v
+    # without virtual_stages=2) would pass refused everywhere: each mode must build.
+    for case in SMOKE:
+        assert eq._strategy(case) is not None, case.id

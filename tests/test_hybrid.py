@@ -14,11 +14,13 @@ import tensorflow as tf
 import tfscale.callbacks
 import tfscale.strategies
 from tfscale.strategies import PipelineStrategy, StrategyError
+from tfscale.strategies.pipeline import schedules
 
 # The fast tier keeps the first N cases of these parametrized tests; the rest run in the
 # full suite only (conftest.py, `FAST_REPRESENTATIVES`).
 FAST_REPRESENTATIVES = {
     "test_pipeline_x_data_parallel_trains_like_one_device": 1,
+    "test_new_schedules_compose_with_data_parallel": 2,
 }
 
 
@@ -112,10 +114,11 @@ def test_pipeline_x_data_parallel_trains_like_one_device(kind, schedule):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-@pytest.mark.parametrize(("schedule", "virtual_stages"), [("zb-h1", 1), ("interleaved", 2)])
+@pytest.mark.parametrize(("schedule", "virtual_stages"), [("zb-h1", 1), ("interleaved", 2), ("zb-v", 2)])
 def test_new_schedules_compose_with_data_parallel(schedule, virtual_stages):
     # Issue 16 x issue 12: the schedule only sees one replica's chunks, so zero-bubble and
-    # interleaved (S x V chunks, chunk c on device c mod S) run per replica unchanged.
+    # interleaved (S x V chunks, chunk c on device c mod S) and ZB-V (chunks in a V) run
+    # per replica unchanged.
     strategy = tfscale.strategies.get(
         "pipeline",
         num_stages=2,
@@ -127,6 +130,12 @@ def test_new_schedules_compose_with_data_parallel(schedule, virtual_stages):
     )
     pipelined = _compile(strategy.split(_model("mlp")))
     assert [len(stages) for stages in pipelined.replicas] == [2 * virtual_stages] * 2
+    for r, stages in enumerate(pipelined.replicas):
+        devices = strategy.replica_devices[r]
+        expected = schedules.stage_devices(devices, 2 * virtual_stages, schedule)
+        if schedule == "zb-v":
+            assert expected == [devices[0], devices[1], devices[1], devices[0]]
+        assert [stage.device for stage in stages] == expected
     _assert_trains_like_reference("mlp", pipelined)
 
 

@@ -28,6 +28,7 @@ from tfscale.strategies.pipeline import timeline as _timeline
 # full suite only (conftest.py, `FAST_REPRESENTATIVES`).
 FAST_REPRESENTATIVES = {
     "test_training_equals_unsplit_model": 4,
+    "test_live_activations_bounded_by_schedule_in_a_measured_run": 4,
     "test_deferred_batch_norm_moving_statistics_equal_the_unsplit_models": 2,
 }
 
@@ -82,16 +83,35 @@ def _wrap(kind, **options):
     return PipelineStrategy(**options).wrap(_model(kind))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("num_microbatches", [1, 2, 4, 8])
-@pytest.mark.parametrize("num_stages", [2, 4])
-@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def _grid(schedules):
+    return [
+        pytest.param(kind, stages, micro, schedule, id=f"{kind}-{stages}-{micro}-{schedule}")
+        for kind in ("mlp", "cnn")
+        for stages in (2, 4)
+        for micro in (1, 2, 4, 8)
+        for schedule in schedules
+    ]
+
+
+# ZB-V (2 chunks per device) after the fast tier's first cases, on the same grid.
+@pytest.mark.parametrize(
+    ("kind", "num_stages", "num_microbatches", "schedule"), _grid(["gpipe", "1f1b"]) + _grid(["zb-v"])
+)
 def test_training_equals_unsplit_model(kind, num_stages, num_microbatches, schedule):
-    history, weights = _reference(kind)
+    virtual_stages = 2 if schedule == "zb-v" else 1
+    # S x V chunks need as many layers: the 8-layer variant of the model, and its reference.
+    model = kind + "8" if num_stages * virtual_stages > 4 else kind
+    history, weights = _reference(model)
     pipelined = _compile(
-        _wrap(kind, num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
+        _wrap(
+            model,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+        )
     )
-    got = _fit(pipelined, *_data(kind))
+    got = _fit(pipelined, *_data(model))
     np.testing.assert_allclose(got["loss"], history["loss"], rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(got["mae"], history["mae"], rtol=RTOL, atol=ATOL)
     for a, b in zip(pipelined.get_weights(), weights):
@@ -157,27 +177,49 @@ def test_partition_reports_the_chosen_split():
     assert sum(len(p["layers"]) for p in timed.partition) == 6
 
 
-@pytest.mark.parametrize(("schedule", "serialize_stages"), [("gpipe", None), ("1f1b", None), ("1f1b", False)])
+@pytest.mark.parametrize(
+    ("schedule", "serialize_stages"),
+    [("gpipe", None), ("1f1b", None), ("1f1b", False), ("zb-v", None), ("zb-v", False)],
+)
 def test_live_activations_bounded_by_schedule_in_a_measured_run(schedule, serialize_stages, tmp_path):
     num_stages, num_microbatches = 4, 8
+    virtual_stages = 2 if schedule == "zb-v" else 1
+    kind = "mlp8" if schedule == "zb-v" else "mlp"  # 8 chunks for ZB-V: one layer each
     pipelined = _compile(
         _wrap(
-            "mlp",
+            kind,
             num_stages=num_stages,
             num_microbatches=num_microbatches,
             schedule=schedule,
+            virtual_stages=virtual_stages,
             serialize_stages=serialize_stages,
         )
     )
-    x, y = _data("mlp")
+    x, y = _data(kind)
     trace = pipelined.trace_step(x, y)
-    assert set(trace.intervals) == {s for o in _schedule.order(schedule, 4, 8) for s in o}
+    orders = _schedule.order(schedule, 4, 8, virtual_stages)
+    if schedule == "zb-v":
+        # A chunk of one layer has no input gradient to compute in its first B (chunk 0)
+        # or nothing left for W: such groups may be empty; every F is there.
+        assert {s for s in trace.intervals if s.kind == _schedule.Kind.FORWARD} == {
+            s for o in orders for s in o if s.kind == _schedule.Kind.FORWARD
+        }
+        assert set(trace.intervals) <= {s for o in orders for s in o}
+        bound = _schedule.activation_bound("zb-v", 4, 8, 2)
+        assert bound == [2 * num_stages] * num_stages  # 2S half-stage chunks: 1F1B's S stages
+        assert trace.activation_bound == bound
+        if serialize_stages is None:
+            assert trace.live_activations == bound, trace.live_activations
+        else:
+            assert all(live <= b for live, b in zip(trace.live_activations, bound)), trace
+    else:
+        assert set(trace.intervals) == {s for o in orders for s in o}
     if schedule == "gpipe":
         assert trace.live_activations == [num_microbatches] * num_stages, trace
-    elif serialize_stages is None:
+    elif schedule == "1f1b" and serialize_stages is None:
         # Each stage runs the 1F1B order exactly: stage s keeps S - s micro-batches alive.
         assert trace.live_activations == [4, 3, 2, 1], trace
-    else:
+    elif schedule == "1f1b":
         # Only the fewest waits: the executor may reorder, the bound S - s still holds.
         assert all(live <= num_stages - s for s, live in enumerate(trace.live_activations)), trace
     assert 0.0 <= trace.bubble < 1.0
@@ -345,7 +387,8 @@ def test_a_schedule_is_one_registered_function(monkeypatch):
     history = _fit(pipelined, x, y)
     np.testing.assert_allclose(history["loss"], expected["loss"], rtol=RTOL, atol=ATOL)
     with pytest.raises(
-        StrategyError, match=r"schedule='bogus'.*\['gpipe', '1f1b', 'interleaved', 'zb-h1', 'gpipe-copy'\]"
+        StrategyError,
+        match=r"schedule='bogus'.*\['gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v', 'gpipe-copy'\]",
     ):
         tfscale.strategies.get("pipeline", schedule="bogus")
 

@@ -76,19 +76,28 @@ _MODES = {
     "gpipe_m1": ("pipeline", {"num_stages": 2, "num_microbatches": 1, "schedule": "gpipe"}),
     "1f1b_m2": ("pipeline", {"num_stages": 2, "num_microbatches": 2}),
     "zb_h1_m2": ("pipeline", {"num_stages": 2, "num_microbatches": 2, "schedule": "zb-h1"}),
+    # ZB-V cuts 2 x 2 chunks: the model with one more Dense (`_DEEPER`), its own reference.
+    "zb_v_m2": (
+        "pipeline",
+        {"num_stages": 2, "num_microbatches": 2, "schedule": "zb-v", "virtual_stages": 2},
+    ),
     "1f1b_m2_dp2": ("pipeline", {"num_stages": 2, "num_microbatches": 2, "data_parallel": 2}),
     "layer_split_dp2": ("model_split", {"num_devices": 2, "data_parallel": 2}),
     "tensor_split_dp2": ("model_split", {"num_devices": 2, "tensor_parallel": True, "data_parallel": 2}),
 }
 
 
-def _embedding_model():
+_DEEPER = {"zb_v_m2"}  # modes of more than 3 chunks
+
+
+def _embedding_model(deeper=False):
     keras.utils.set_random_seed(0)
     return keras.Sequential(
         [
             keras.Input((5,), dtype="int32"),
             keras.layers.Embedding(8, 4),
             keras.layers.Flatten(),
+            *([keras.layers.Dense(6, activation="tanh")] if deeper else []),
             keras.layers.Dense(4),
         ]
     )
@@ -97,12 +106,12 @@ def _embedding_model():
 _references = {}
 
 
-def _embedding_reference(optimizer):
-    if optimizer not in _references:
-        model = _embedding_model()
+def _embedding_reference(optimizer, deeper=False):
+    if (optimizer, deeper) not in _references:
+        model = _embedding_model(deeper)
         history = _fit(model, _TOKENS, _TARGETS, _OPTIMIZERS[optimizer]())
-        _references[optimizer] = (model, history)
-    return _references[optimizer]
+        _references[(optimizer, deeper)] = (model, history)
+    return _references[(optimizer, deeper)]
 
 
 # The fast tier: every mode once (Adam), and the other optimizer families in one pipeline.
@@ -120,9 +129,10 @@ _SLOW_EMBEDDING_CASES = [
 
 
 def _check_embedding(optimizer, mode):
-    reference, history_ref = _embedding_reference(optimizer)
+    deeper = mode in _DEEPER
+    reference, history_ref = _embedding_reference(optimizer, deeper)
     name, options = _MODES[mode]
-    split = tfscale.strategies.get(name, **options).split(_embedding_model())
+    split = tfscale.strategies.get(name, **options).split(_embedding_model(deeper))
     history = _fit(split, _TOKENS, _TARGETS, _OPTIMIZERS[optimizer]())
     _assert_same(reference, split, history_ref, history, _TOKENS)
     _assert_same_weights(reference, split)  # tensor split: in the unsplit layout

@@ -1,4 +1,4 @@
-"""Interleaved 1F1B and ZB-H1: their arithmetic, same training as one device, W in the trace.
+"""Interleaved 1F1B, ZB-H1 and ZB-V: their arithmetic, same training as one device, W in the trace.
 
 A schedule is checked twice: its arithmetic by simulation with fixed op times
 (`schedules.simulate`: every op once, no deadlock, the bubble equal to the registered
@@ -31,13 +31,13 @@ FAST_REPRESENTATIVES = {
 }
 
 
-_NEW = [("interleaved", 2), ("zb-h1", 1)]
+_NEW = [("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
 _LAYERS = {"mlp": 4, "cnn": 6}
 
 
 @pytest.mark.parametrize(
     ("schedule", "virtual_stages"),
-    [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1)],
+    [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1), ("zb-v", 2)],
 )
 @pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 4), (2, 8), (4, 4), (4, 8)])
 def test_simulated_schedule_has_its_registered_bubble_and_activation_bound(
@@ -45,22 +45,24 @@ def test_simulated_schedule_has_its_registered_bubble_and_activation_bound(
 ):
     s, m, v = num_stages, num_microbatches, virtual_stages
     orders = schedules.order(schedule, s, m, v)
-    split = schedule == "zb-h1"
+    split = schedules.registered(schedule).constraints.weight_ops
     kinds = [Kind.FORWARD, Kind.BACKWARD] + ([Kind.WEIGHT] if split else [])
     ops = [op for lane in orders for op in lane]
     assert sorted(ops) == sorted(Op(c, k, i) for c in range(s * v) for k in kinds for i in range(m))
-    assert all(op.stage % s == d for d, lane in enumerate(orders) for op in lane)
+    assert all(
+        schedules.chunk_device(op.stage, s, schedule) == d for d, lane in enumerate(orders) for op in lane
+    )
     # Equal op times: F = B = W for zero bubble; otherwise the backward is twice a forward,
     # and a chunk does 1/V of its device's work.
     costs = {Kind.FORWARD: 1 / v, Kind.BACKWARD: 2 / v, Kind.WEIGHT: 0.0}
     if split:
         costs = dict.fromkeys(Kind, 1.0)
     intervals = schedules.simulate(orders, costs, v)
-    spans = [(op.stage % s, a, b) for op, (a, b) in intervals.items()]
+    spans = [(schedules.chunk_device(op.stage, s, schedule), a, b) for op, (a, b) in intervals.items()]
     assert schedules.bubble_fraction(spans, s) == pytest.approx(
         schedules.theoretical_bubble(s, m, schedule, v)
     )
-    assert schedules.live_activations(intervals, s) == schedules.activation_bound(schedule, s, m, v)
+    assert schedules.live_activations(intervals, s, schedule) == schedules.activation_bound(schedule, s, m, v)
 
 
 def test_simulated_zb_h1_bubble_is_a_third_of_1f1b_and_deadlocks_are_reported():
@@ -99,7 +101,7 @@ _SHAPES = [
 ]
 
 
-@pytest.mark.parametrize(("schedule", "virtual_stages"), _NEW, ids=["interleaved-v2", "zb-h1"])
+@pytest.mark.parametrize(("schedule", "virtual_stages"), _NEW, ids=["interleaved-v2", "zb-h1", "zb-v"])
 @pytest.mark.parametrize(("kind", "num_stages", "num_microbatches"), _SHAPES)
 def test_new_schedules_train_like_unsplit_model(kind, num_stages, num_microbatches, schedule, virtual_stages):
     kind = _kind_for(kind, schedule, num_stages, virtual_stages)
@@ -144,6 +146,8 @@ def _chart_pixels(png, colour):
         ("zb-h1", 1, 4, False),
         ("interleaved", 2, 2, None),
         ("interleaved", 2, 2, False),
+        ("zb-v", 2, 2, None),
+        ("zb-v", 2, 2, False),
     ],
 )
 def test_live_activations_within_the_bound_in_a_measured_run(
@@ -170,14 +174,15 @@ def test_live_activations_within_the_bound_in_a_measured_run(
         assert trace.live_activations == bound, trace.live_activations
     else:
         assert all(live <= b for live, b in zip(trace.live_activations, bound)), trace.live_activations
-    if schedule == "zb-h1" and serialize_stages is None:
+    split = schedules.registered(schedule).constraints.weight_ops
+    if split and serialize_stages is None:
         for op, (start, _) in trace.intervals.items():
             if op.kind == Kind.WEIGHT:
                 assert start >= trace.intervals[Op(op.stage, Kind.BACKWARD, op.microbatch)][1]
     png = _timeline.plot(trace, tmp_path / "timeline.png")
     forward, backward, weight = (_chart_pixels(png, kind.colour) for kind in Kind)
     assert forward > 0 and backward > 0
-    assert weight > 0 if schedule == "zb-h1" else weight == 0
+    assert weight > 0 if split else weight == 0
 
 
 def _contractions_by_kind(pipelined, x, y, logdir):
@@ -214,6 +219,41 @@ def test_interleaved_puts_chunk_c_on_device_c_mod_s():
     assert pipelined.virtual_stages == 2
 
 
+def test_zb_v_puts_chunks_d_and_2s_minus_1_minus_d_on_device_d():
+    # The V: the chain goes down the devices and back up, so device 0 holds the first
+    # chunk and the last (the loss), and each device's two chunks meet at the bottom.
+    assert schedules.stage_devices(["a", "b"], 4, "zb-v") == ["a", "b", "b", "a"]
+    assert schedules.stage_devices(list("abcd"), 8, "zb-v") == list("abcddcba")
+    pipelined = _wrap("mlp", num_stages=2, num_microbatches=4, schedule="zb-v", virtual_stages=2)
+    devices = tfscale.strategies.split_cpu(2)
+    assert [stage.device for stage in pipelined.stages] == devices + devices[::-1]
+    assert [part["device"] for part in pipelined.partition] == devices + devices[::-1]
+    for stage in pipelined.stages:
+        for variable in stage.trainable_variables:
+            assert variable.value.device.endswith(stage.device.split("/")[-1]), (variable.path, stage.device)
+
+
+def test_zb_v_bubble_and_activations_against_the_other_schedules():
+    # Equal op times (a chunk op is half a stage op): half ZB-H1's idle time at 1F1B's
+    # activation memory (2S chunk micro-batches = S stage micro-batches).
+    for s, m in [(2, 4), (2, 8), (4, 8)]:
+        assert schedules.theoretical_bubble(s, m, "zb-v", 2) == pytest.approx((s - 1) / (6 * m + s - 1))
+        assert schedules.theoretical_bubble(s, m, "zb-v", 2) < schedules.theoretical_bubble(s, m, "zb-h1")
+        assert schedules.activation_bound("zb-v", s, m, 2) == [2 * s] * s
+    assert schedules.theoretical_bubble(2, 8, "zb-v", 2) == pytest.approx(1 / 49)
+    assert schedules.theoretical_bubble(4, 4, "zb-v", 2) == pytest.approx(1 / 5)  # 2M < 3S - 1
+    assert schedules.activation_bound("zb-v", 4, 4, 2) == [5, 6, 7, 8]
+    # Device d's order: forwards down the V first, its first B on its second chunk.
+    assert schedules.order("zb-v", 2, 4, 2)[1][:6] == [
+        Op(1, Kind.FORWARD, 0),
+        Op(2, Kind.FORWARD, 0),
+        Op(1, Kind.FORWARD, 1),
+        Op(2, Kind.FORWARD, 1),
+        Op(2, Kind.BACKWARD, 0),
+        Op(2, Kind.WEIGHT, 0),
+    ]
+
+
 def test_bad_schedule_options_raise_clear_errors():
     with pytest.raises(
         StrategyError, match=r"`virtual_stages`.*virtual_stages=2 with schedule='1f1b'.*'interleaved'"
@@ -227,3 +267,13 @@ def test_bad_schedule_options_raise_clear_errors():
         PipelineStrategy(num_stages=4, num_microbatches=6, schedule="interleaved", virtual_stages=2)
     with pytest.raises(StrategyError, match=r"`recompute`.*schedule='zb-h1'"):
         PipelineStrategy(num_stages=2, schedule="zb-h1", recompute=True)
+    with pytest.raises(
+        StrategyError, match=r"`virtual_stages`.*virtual_stages=1 with schedule='zb-v'.*Expected 2"
+    ):
+        PipelineStrategy(num_stages=2, schedule="zb-v")
+    with pytest.raises(
+        StrategyError, match=r"`virtual_stages`.*virtual_stages=3 with schedule='zb-v'.*Expected 2"
+    ):
+        PipelineStrategy(num_stages=2, schedule="zb-v", virtual_stages=3)
+    with pytest.raises(StrategyError, match=r"`recompute`.*schedule='zb-v'"):
+        PipelineStrategy(num_stages=2, schedule="zb-v", virtual_stages=2, recompute=True)

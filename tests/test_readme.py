@@ -270,7 +270,7 @@ SNIPPETS = [
         r"CallbackError \| Invalid value for argument `initial_lr`\. Received: initial_lr=-1\.0\. "
         r"Expected a non-negative finite number\.\n"
         r"StrategyError \| Invalid value for argument `schedule`\. Received: schedule='pipedream'\. "
-        r"Expected one of \['gpipe', '1f1b', 'interleaved', 'zb-h1'\]\.\n",
+        r"Expected one of \['gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v'\]\.\n",
     ),
     Snippet(
         "CallbackError | Invalid value for argument `global_batch_size`.",

@@ -38,7 +38,16 @@ def _parse(*args):
 
 
 def _help_line(text, flag):
-    return next(line for line in text.splitlines() if line.strip().startswith(f"--{flag}:"))
+    """A flag's help, its wrapped continuation lines (indented deeper) joined to the first."""
+    lines = text.splitlines()
+    start = next(k for k, line in enumerate(lines) if line.strip().startswith(f"--{flag}:"))
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    more = []
+    for line in lines[start + 1 :]:
+        if len(line) - len(line.lstrip()) <= indent or not line.strip():
+            break
+        more.append(line.strip())
+    return " ".join([lines[start], *more])
 
 
 def test_a_changed_default_reaches_the_help_the_flags_and_get(monkeypatch, capsys):
@@ -78,6 +87,19 @@ def test_the_flags_and_get_agree_with_the_spec_as_it_is(capsys):
     )
     assert tfscale.flags.STRATEGIES is spec.NAMES is tfscale.strategies.NAMES
     assert tfscale.flags.SCHEDULES == tuple(spec.SCHEDULES)
+
+
+def test_zb_v_from_the_flags_needs_virtual_stages_2():
+    # zb-v's entry says V is exactly 2: --virtual_stages passes it, its absence is refused
+    # by the same words as the strategy's, before TensorFlow starts.
+    fv = _parse("--strategy=pipeline", "--schedule=zb-v", "--virtual_stages=2", "--global_batch_size=16")
+    assert tfscale.flags.strategy_args(fv) == ("pipeline", {"schedule": "zb-v", "virtual_stages": 2})
+    with pytest.raises(
+        flags.IllegalFlagValueError, match=r"--schedule=zb-v: .*virtual_stages=1 .*Expected 2"
+    ):
+        _parse("--strategy=pipeline", "--schedule=zb-v", "--global_batch_size=16")
+    with pytest.raises(flags.IllegalFlagValueError, match=r"--virtual_stages expects a positive integer"):
+        _parse("--strategy=pipeline", "--virtual_stages=0")
 
 
 def test_a_schedule_rule_is_its_entry_for_the_flags_and_the_strategy(monkeypatch):

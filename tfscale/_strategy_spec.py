@@ -21,7 +21,7 @@ Nothing here raises: the callers word the errors (`StrategyError` in the strateg
 flag error in the flags), so each message stays where its caller's style is.
 
 >>> PipelineOptions().num_stages, tuple(SCHEDULES)
-(2, ('gpipe', '1f1b', 'interleaved', 'zb-h1'))
+(2, ('gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v'))
 """
 
 import dataclasses
@@ -82,11 +82,18 @@ class Schedule:
         rounds_of_stages: it runs rounds of S micro-batches, so M must be a multiple of S.
         weight_ops: it splits each backward into B and a deferred W (the weight gradient),
             which needs each layer's kept output, so `recompute=True` is refused.
+        exact_virtual_stages: V must be this number (None: any V the other fields allow).
+        v_shape: chunks are placed in a V (zigzag) instead of round-robin: with S devices,
+            device d holds chunks d and 2S - 1 - d, so the first and the last chunk (the
+            loss) are on device 0, and each device's second chunk runs right after the
+            first on the way back (ZB-V).
     """
 
     virtual_stages: bool = False
     rounds_of_stages: bool = False
     weight_ops: bool = False
+    exact_virtual_stages: Optional[int] = None
+    v_shape: bool = False
 
 
 # Pipeline schedules, in the order `--schedule` and the errors list them.
@@ -95,6 +102,7 @@ SCHEDULES = {
     "1f1b": Schedule(),
     "interleaved": Schedule(virtual_stages=True, rounds_of_stages=True),
     "zb-h1": Schedule(weight_ops=True),
+    "zb-v": Schedule(virtual_stages=True, weight_ops=True, exact_virtual_stages=2, v_shape=True),
 }
 
 
@@ -247,6 +255,13 @@ def schedule_problem(schedule, options):
             f"Invalid value for argument `virtual_stages`. Received: virtual_stages="
             f"{options.virtual_stages} with schedule={options.schedule!r}. Expected 1, or a schedule "
             f"among {capable}."
+        )
+    if schedule.exact_virtual_stages and options.virtual_stages != schedule.exact_virtual_stages:
+        return (
+            f"Invalid value for argument `virtual_stages`. Received: virtual_stages="
+            f"{options.virtual_stages} with schedule={options.schedule!r}. Expected "
+            f"{schedule.exact_virtual_stages} (the schedule runs {schedule.exact_virtual_stages} "
+            "chunks per device)."
         )
     if schedule.rounds_of_stages and options.num_microbatches % options.num_stages:
         return (

@@ -56,6 +56,7 @@ _MODEL_PARALLEL_FLAGS = (
     "num_stages",
     "num_microbatches",
     "schedule",
+    "virtual_stages",
     "num_devices",
     "tensor_parallel",
     "data_parallel",
@@ -537,8 +538,9 @@ def _valid_model_parallel(values):
 def define_model_parallel_flags(fv):
     """The pipeline's and model split's flags, passed to `strategies.get` as the same options.
 
-    --num_stages, --num_microbatches, --schedule (pipeline); --num_devices, --tensor_parallel
-    (model_split); --data_parallel (both); --plan_report (pipeline: print the planning report).
+    --num_stages, --num_microbatches, --schedule, --virtual_stages (pipeline); --num_devices,
+    --tensor_parallel (model_split); --data_parallel (both); --plan_report (pipeline: print the
+    planning report).
     """
     # Unset (None) means the strategy's default, stated in the help from the spec.
     pipeline = _spec.OPTIONS["pipeline"]()
@@ -553,6 +555,12 @@ def define_model_parallel_flags(fv):
     )
     flags.DEFINE_enum(
         "schedule", None, SCHEDULES, f"Pipeline schedule (default {pipeline.schedule}).", flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "virtual_stages",
+        None,
+        f"Pipeline chunks V per device: interleaved, and 2 for zb-v (default {pipeline.virtual_stages}).",
+        flag_values=fv,
     )
     flags.DEFINE_integer("num_devices", None, "Model split: devices K of one copy.", flag_values=fv)
     flags.DEFINE_boolean(
@@ -573,7 +581,7 @@ def define_model_parallel_flags(fv):
         "Print the per-device memory and per-step traffic report of the split model at start.",
         flag_values=fv,
     )
-    _check_as_option(fv, "num_stages", "num_microbatches", "num_devices", "data_parallel")
+    _check_as_option(fv, "num_stages", "num_microbatches", "virtual_stages", "num_devices", "data_parallel")
 
 
 def _valid_backup_freq(value):

@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tfscale.strategies._devices import device_key
 from tfscale.strategies._placement import device_of
+from tfscale.strategies.pipeline import schedules
 
 __all__ = ["DevicePlan", "PlanReport", "plan_report"]
 
@@ -177,7 +178,11 @@ def _devices(model, trace, outputs):
     plans = []
     for stages in model.replicas:
         for position in range(trace.num_stages):
-            chunks = [s for s in stages if s.index % trace.num_stages == position]
+            chunks = [
+                s
+                for s in stages
+                if schedules.chunk_device(s.index, trace.num_stages, trace.schedule) == position
+            ]
             variables = [v for s in chunks for layer in s.layers for v in layer.weights]
             device = device_of(variables[0]) if variables else chunks[0].device
             # live_activations counts chunk micro-batches; one chunk's kept outputs on average

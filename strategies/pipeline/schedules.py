@@ -14,9 +14,11 @@ one such function; the strategy, the step builder and the timeline read everythi
   gradient, and the weight gradient too unless the schedule has W ops), and weight
   gradient (W, zero-bubble schedules). It owns the op-name format
   (`s{stage}_{letter}{microbatch}`) that the step gives its ops and the timeline parses.
-- `stage_devices`: the stage -> device map. With V virtual stages per device there are
-  S x V stages (chunks of the chain); stage c runs on device c mod S. An `Op`'s `stage` is
-  that chunk's index, its device (the schedule's "lane") `stage % S`.
+- `stage_devices`, `chunk_device`: the stage -> device map. With V virtual stages per
+  device there are S x V stages (chunks of the chain); stage c runs on device c mod S
+  (round-robin), or, for a schedule whose spec entry says `v_shape` (ZB-V), down the
+  devices and back up: device d holds chunks d and 2S - 1 - d. An `Op`'s `stage` is that
+  chunk's index, its device (the schedule's "lane") `chunk_device(stage, S, schedule)`.
 
 The schedules here, with the terms of their papers (S devices, M micro-batches):
 
@@ -34,6 +36,14 @@ The schedules here, with the terms of their papers (S devices, M micro-batches):
   `s` W's, which fill the drain's idle slots. A micro-batch's activations live until its
   W, so every stage holds at most S (1F1B's largest stage); the bubble shrinks from
   (S - 1)(t_F + t_B + t_W) to (S - 1)(t_F + t_B - t_W): a third for equal op times.
+- ZB-V (same paper, section 6; PyTorch's ScheduleZBVZeroBubble): V = 2 chunks per device
+  in a V, device d holding chunks d and 2S - 1 - d (the first and the last, with the loss,
+  on device 0), B and W split. Each device warms up with forwards down the V, then runs
+  F B W on each chunk in turn; the W's left at the end fill the drain. With equal
+  chunk-op times the only idle is the first forward's way down to device S - 1:
+  bubble (S - 1) / (6 M + S - 1) once 2M >= 3S - 1 (half ZB-H1's idle time, with ops of
+  half a stage), and a device holds at most min(2S, 2M, M + d + 1) chunk micro-batches,
+  i.e. 2S halves of a stage: 1F1B's S micro-batches of a whole stage.
 
 A schedule here is only an order within each stage. The pipeline turns it into the *fewest*
 control dependencies that enforce it (`control_dependencies`), so that the TensorFlow
@@ -232,6 +242,79 @@ def zero_bubble_h1(num_stages, num_microbatches, virtual_stages=1):
     return stages
 
 
+def _zb_v_order(num_stages, num_microbatches, device):
+    """Device `device`'s ZB-V ops over its chunks d (down the V) and 2S - 1 - d (back up).
+
+    Qi et al.'s construction with t_F = t_B = t_W, as PyTorch's ScheduleZBVZeroBubble builds
+    it: the order for max(M, 2S - 1) micro-batches, the ones past M then dropped (so the
+    warm-up is the same for small M).
+    """
+    s_, d = num_stages, device
+    down, up = d, 2 * s_ - 1 - d
+    count = max(num_microbatches, 2 * s_ - 1)
+    ops, next_op = [], {}
+
+    def add(chunk, kind):
+        i = next_op.get((chunk, kind), 0)
+        next_op[(chunk, kind)] = i + 1
+        ops.append(Op(chunk, kind, i))
+
+    def done(chunk, kind):
+        return next_op.get((chunk, kind), 0)
+
+    # Warm-up: forwards down the V until the first micro-batch comes back up to this device,
+    # then each forward on the way up is followed at once by its B and W.
+    for _ in range(2 * (s_ - d) - 1):
+        add(down, Kind.FORWARD)
+    for _ in range(d):
+        add(up, Kind.FORWARD)
+        add(down, Kind.FORWARD)
+    for _ in range(s_ - d):
+        add(up, Kind.FORWARD)
+        add(up, Kind.BACKWARD)
+        add(up, Kind.WEIGHT)
+    # Steady state: F B W on the way down, then F B W on the way up.
+    while done(up, Kind.FORWARD) < done(down, Kind.FORWARD) or done(down, Kind.FORWARD) < count:
+        if done(down, Kind.FORWARD) < count:
+            add(down, Kind.FORWARD)
+        add(down, Kind.BACKWARD)
+        add(down, Kind.WEIGHT)
+        add(up, Kind.FORWARD)
+        add(up, Kind.BACKWARD)
+        add(up, Kind.WEIGHT)
+    # Cool-down: the remaining B's first (they unblock the devices before this one), the
+    # W's they leave behind fill the idle slots at the end.
+    pending = {down: [], up: []}
+    for _ in range(d):
+        for chunk in (down, up):
+            pending[chunk].append(done(chunk, Kind.BACKWARD))
+            add(chunk, Kind.BACKWARD)
+    for _ in range(s_ - d):
+        pending[down].append(done(down, Kind.BACKWARD))
+        add(down, Kind.BACKWARD)
+        ops.append(Op(down, Kind.WEIGHT, pending[down].pop(0)))
+    ops += [Op(up, Kind.WEIGHT, i) for i in pending[up]]
+    ops += [Op(down, Kind.WEIGHT, i) for i in pending[down]]
+    return [op for op in ops if op.microbatch < num_microbatches]
+
+
+def _zb_v_bubble(num_stages, num_microbatches, virtual_stages=2):
+    # Equal chunk-op times: 6M ops per device; the step takes 6M + S - 1 (the first
+    # forward's way down to the last device) once 2M >= 3S - 1, else 4M + 4S - 2.
+    s_, m = num_stages, num_microbatches
+    return 1 - 6 * m / max(6 * m + s_ - 1, 4 * m + 4 * s_ - 2)
+
+
+@register(
+    "zb-v",
+    bubble=_zb_v_bubble,
+    activation_bound=lambda s, m, v, d: min(2 * s, 2 * m, m + d + 1),
+)
+def zero_bubble_v(num_stages, num_microbatches, virtual_stages=2):
+    """ZB-V: two chunks per device in a V (device d: chunks d and 2S - 1 - d), B and W split."""
+    return [_zb_v_order(num_stages, num_microbatches, d) for d in range(num_stages)]
+
+
 def order(schedule, num_stages, num_microbatches, virtual_stages=1):
     """The order in which each device runs its ops.
 
@@ -255,11 +338,25 @@ def registered(schedule):
     return SCHEDULES[check("schedule", schedule)]
 
 
-def stage_devices(devices, num_stages):
+def chunk_device(chunk, num_devices, schedule=None):
+    """The device (0 .. S - 1) that runs `chunk` of the chain, as `schedule` places chunks.
+
+    Round-robin (Megatron-LM's interleaved layout): chunk c on device c mod S. In a V
+    (`Schedule.v_shape`, ZB-V): the chunks go down the devices and back up, c mod S on the
+    way down and S - 1 - c mod S on the way up, so device d holds d and 2S - 1 - d.
+    """
+    device = chunk % num_devices
+    if schedule is not None and registered(schedule).constraints.v_shape and (chunk // num_devices) % 2:
+        return num_devices - 1 - device
+    return device
+
+
+def stage_devices(devices, num_stages, schedule=None):
     """The device of each stage: `devices` has one name per stage, or one per device.
 
-    With D devices and S = V x D stages, stage s runs on device s mod D (Megatron-LM's
-    interleaved layout: each device holds V non-adjacent chunks of the chain).
+    With D devices and S = V x D stages, stage s runs on device `chunk_device(s, D,
+    schedule)`: s mod D (Megatron-LM's interleaved layout: each device holds V non-adjacent
+    chunks of the chain), or in a V for a `v_shape` schedule (ZB-V).
 
     Raises:
         StrategyError: S is not a multiple of the number of devices.
@@ -270,7 +367,7 @@ def stage_devices(devices, num_stages):
             f"{num_stages} stages cannot be spread evenly over {len(devices)} devices. "
             "Expected a number of stages that is a multiple of the number of devices."
         )
-    return [devices[s % len(devices)] for s in range(num_stages)]
+    return [devices[chunk_device(s, len(devices), schedule)] for s in range(num_stages)]
 
 
 def data_dependencies(step, num_stages):
@@ -331,16 +428,18 @@ def control_dependencies(stage_order, strict=False):
     return deps
 
 
-def live_activations(intervals, num_stages):
+def live_activations(intervals, num_stages, schedule=None):
     """Per device, the most (chunk) micro-batches whose activations were alive at once.
 
     A micro-batch's activations on a stage are alive from the start of its forward to the
     end of its last backward op there (B, or W when the schedule splits it: both consume
-    them). Stage c counts on device c mod S (V chunks per device with V > 1).
+    them). Stage c counts on device `chunk_device(c, S, schedule)` (V chunks per device
+    with V > 1: c mod S, or in a V for ZB-V).
 
     Args:
         intervals: a dict from `Op` to its (start, end) time, e.g. measured.
         num_stages: S devices.
+        schedule: the schedule's name, for its placement of chunks (None: round-robin).
 
     Returns:
         A list of S ints.
@@ -359,7 +458,7 @@ def live_activations(intervals, num_stages):
         events = sorted(
             event
             for (stage, _), (start, end) in alive.items()
-            if stage % num_stages == d
+            if chunk_device(stage, num_stages, schedule) == d
             for event in ((start, 1), (end, -1))
         )
         live = peak = 0

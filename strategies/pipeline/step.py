@@ -9,7 +9,8 @@ timeline finds them by that name). Groups are linked only by
   activations (1F1B) or make the flush (GPipe).
 
 With V virtual stages per device, `stages` holds the S x V chunks in chain order; chunk c
-is on device c mod S, and the schedule orders each device's ops over its chunks.
+is on device `schedules.chunk_device(c, S, schedule)` (c mod S, or in a V for ZB-V), and
+the schedule orders each device's ops over its chunks.
 
 Nothing else orders them, so TensorFlow's executor runs groups of different stages at the
 same time as soon as their inputs exist: that overlap is the pipeline. Each forward records
@@ -158,7 +159,8 @@ class _Batch:
         self.split_weights = any(op.kind == Kind.WEIGHT for order in self.orders for op in order)
         self.waits = {}
         for device, device_order in enumerate(self.orders):
-            # Chunk d is device d's first; every chunk of a device has its `serial` setting.
+            # Chunk d is device d's first (round-robin and V alike); every chunk of a device
+            # has its `serial` setting.
             self.waits.update(schedules.control_dependencies(device_order, strict=stages[device].serial))
         self.done = {}
         self.gradients = [None] * self.num_stages

@@ -1,4 +1,4 @@
-"""`PipelineStrategy`: GPipe, 1F1B, interleaved 1F1B and ZB-H1 pipelines for Keras 3 on TensorFlow.
+"""`PipelineStrategy`: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V pipelines for Keras 3 on TensorFlow.
 
 The user's model (a `keras.Sequential`, or a functional model that is a chain of layers) is
 cut into S consecutive stages by the shared partitioner, and copied so that each stage's
@@ -51,11 +51,15 @@ class PipelineStrategy:
         schedule: a name in `schedules.SCHEDULES`: "gpipe" (all forwards, then all
             backwards; M micro-batches of activations per stage), "1f1b" (one forward,
             one backward; at most S), "interleaved" (Megatron-LM's interleaved 1F1B over
-            `virtual_stages` chunks per device; M a multiple of S) or "zb-h1" (zero
+            `virtual_stages` chunks per device; M a multiple of S), "zb-h1" (zero
             bubble: the weight gradient W split from the backward and deferred into the
-            drain's idle slots; at most S per stage).
-        virtual_stages: V, chunks of the chain per device ("interleaved" only): the
-            model is cut into S x V stages, chunk c on device c mod S.
+            drain's idle slots; at most S per stage) or "zb-v" (zero bubble over two
+            chunks per device placed in a V, device d holding chunks d and 2S - 1 - d;
+            B and W split; needs virtual_stages=2; at most 2S chunk micro-batches, i.e.
+            1F1B's S stage micro-batches, per device).
+        virtual_stages: V, chunks of the chain per device ("interleaved", and 2 for
+            "zb-v"): the model is cut into S x V stages, chunk c on device c mod S
+            ("interleaved") or in a V ("zb-v").
         devices: S device names (D x S with `data_parallel=D`: replica r's stages on
             devices[r*S:(r+1)*S]), or None for the first D x S GPUs, else D x S logical
             CPU devices (the host CPU is split if TensorFlow has not started yet).
@@ -135,9 +139,10 @@ class PipelineStrategy:
         )
         self.devices = _resolve(options.devices, self.num_stages, self.data_parallel)
         self.replica_devices = group_devices(self.devices, self.data_parallel)
-        # The stage -> device map of replica 0: S x V chunks, chunk c on device c mod S.
+        # The stage -> device map of replica 0: S x V chunks, chunk c on device c mod S
+        # (round-robin), or in a V for ZB-V (device d: chunks d and 2S - 1 - d).
         self.stage_devices = schedules.stage_devices(
-            self.replica_devices[0], self.num_stages * self.virtual_stages
+            self.replica_devices[0], self.num_stages * self.virtual_stages, schedule
         )
         if serialize_stages is None:
             serialize_stages = all(device_type(d) == "CPU" for d in self.devices)
@@ -211,7 +216,7 @@ class PipelineStrategy:
         replicas = [self._stages(copies, counts, self.stage_devices, call_kwargs)]
         for group in self.replica_devices[1:]:
             # Replicas 1..D-1: untracked copies (replica 0 is the model Keras saves).
-            devices = schedules.stage_devices(group, self.num_stages * self.virtual_stages)
+            devices = schedules.stage_devices(group, self.num_stages * self.virtual_stages, self.schedule)
             copies_r = clone_chain(layers, counts, devices, inputs)[0]
             replicas.append(self._stages(copies_r, counts, devices, call_kwargs))
         if self.data_parallel > 1 and self.num_microbatches == 1:

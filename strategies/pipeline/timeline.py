@@ -44,7 +44,7 @@ class PipelineTrace:
     Attributes:
         schedule, num_stages, num_microbatches: what ran (S devices).
         intervals: dict `Op` -> (start, end) seconds; an `Op`'s stage is its chunk with
-            V > 1 (on device `stage % num_stages`).
+            V > 1 (on device `schedules.chunk_device(stage, num_stages, schedule)`).
         live_activations: per device, the most (chunk) micro-batches alive at once
             (forward started, last backward op -- B or W -- not finished), from the
             measured intervals.
@@ -140,7 +140,7 @@ def _summarise(groups, ops, schedule, num_stages, num_microbatches, *, virtual_s
     origin = min(a for a, _ in groups.values())
     intervals = {s: ((a - origin) / 1e9, (b - origin) / 1e9) for s, (a, b) in groups.items()}
     spans = [
-        (step.stage % num_stages, (a - origin) / 1e9, (b - origin) / 1e9)
+        (schedules.chunk_device(step.stage, num_stages, schedule), (a - origin) / 1e9, (b - origin) / 1e9)
         for step, a, b in ops
         if step in groups
     ]
@@ -149,7 +149,7 @@ def _summarise(groups, ops, schedule, num_stages, num_microbatches, *, virtual_s
         num_stages=num_stages,
         num_microbatches=num_microbatches,
         intervals=intervals,
-        live_activations=schedules.live_activations(intervals, num_stages),
+        live_activations=schedules.live_activations(intervals, num_stages, schedule),
         bubble=schedules.bubble_fraction(spans, num_stages),
         theoretical_bubble=schedules.theoretical_bubble(
             num_stages, num_microbatches, schedule, virtual_stages
@@ -177,7 +177,8 @@ def plot(trace, path, title=None):
     fig, ax = plt.subplots(figsize=(max(10, 0.5 * per_device), 0.6 + 0.55 * trace.num_stages), dpi=90)
     virtual = trace.virtual_stages
     for step, (start, end) in sorted(trace.intervals.items()):
-        device, chunk = step.stage % trace.num_stages, step.stage // trace.num_stages
+        device = schedules.chunk_device(step.stage, trace.num_stages, trace.schedule)
+        chunk = step.stage // trace.num_stages
         row = trace.num_stages - 1 - device
         ms = (start * 1e3, (end - start) * 1e3)
         ax.broken_barh(

@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import types
 from unittest import mock
 
@@ -398,7 +400,8 @@ def test_a_strategy_fits_first_iterator_is_parked_freed_at_a_later_fit_and_train
     del new
     with mock.patch.object(keras_symbolic_build, "_IDLE_AFTER", 0.0):  # idle at once, for the test
         model.fit(x, y, batch_size=4, epochs=2, verbose=0)
-    assert first() is None  # freed when the next fit started, by reference counting
+    assert keras_symbolic_build.wait_released(60)
+    assert first() is None  # handed to the reaper when the next fit started, and freed there
     patched = model.get_weights()
 
     unpatched = build()
@@ -414,6 +417,27 @@ def test_a_strategy_fits_first_iterator_is_parked_freed_at_a_later_fit_and_train
         del before
     for a, b in zip(patched, unpatched.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_parked_iterators_are_freed_by_the_reaper_not_in_the_users_fit():
+    """A parked iterator's teardown can wait about a second on TensorFlow's background threads;
+    the fit that releases it hands it to the reaper thread and goes on at once."""
+    from tfscale.compat import keras_symbolic_build
+
+    freed = []
+
+    class SlowToFree:  # tears down like a MultiDeviceIterator on a busy machine
+        def __del__(self):
+            time.sleep(2.0)
+            freed.append(threading.current_thread().name)
+
+    with keras_symbolic_build._lock:
+        keras_symbolic_build._PARKED.append((time.monotonic() - 60.0, SlowToFree()))
+    start = time.monotonic()
+    keras_symbolic_build._release_parked()  # what the start of a strategy fit calls
+    assert time.monotonic() - start < 1.0
+    assert keras_symbolic_build.wait_released(30)
+    assert freed == ["tfscale-iterator-reaper"]
 
 
 class _CollectionCounter:
@@ -509,7 +533,8 @@ def test_a_fit_that_raises_parks_its_live_iterators_and_leaves_no_cycle_for_the_
     del live
     with mock.patch.object(keras_symbolic_build, "_IDLE_AFTER", 0.0):  # idle at once, for the test
         model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    assert [ref() for ref in parked] == [None] * len(parked)  # freed when the next fit started
+    assert keras_symbolic_build.wait_released(60)
+    assert [ref() for ref in parked] == [None] * len(parked)  # freed after the next fit started
     assert all(ref() is None for ref in stop.epoch_iterators)
 
 

@@ -18,8 +18,10 @@ as below, 0 of 2 x 2,000 (beside a full pytest run). In this suite it killed an 
 worker in 2 of the last 3 full runs (tests/test_hostile_backup.py, 53 such fits in a test).
 
 `keep_first_input_iterator()` parks that iterator in a module list instead, and the
-start of a later `fit` under a strategy frees the ones parked at least a second before,
-when their buffers are long full and their background threads wait. Never in a garbage
+start of a later `fit` under a strategy hands the ones parked at least a second before
+(their buffers long full, their background threads waiting) to one reaper thread that
+frees them: a teardown can wait about a second for TensorFlow's background threads, and
+the user's `fit` does not wait with it (`wait_released()`; at exit, up to 30 s). Never in a garbage
 collection: kept per model, a model in a reference cycle took its iterator into one, and
 the teardown then stalled that collection for seconds (tests/_gc_probe.py). A parked
 iterator is never read again; the batches `fit` trains on come from the iterators Keras
@@ -45,6 +47,7 @@ exist (checked on Keras 3.15.1 only).
 FIXED_IN: none as of TF 2.21 / Keras 3.15.
 """
 
+import atexit
 import functools
 import threading
 import time
@@ -56,6 +59,7 @@ __all__ = [
     "keep_first_input_iterator",
     "park_interrupted_inputs",
     "parked_iterators",
+    "wait_released",
 ]
 
 CHECKED_ON = ("3.15", "3.15")
@@ -63,6 +67,10 @@ FIXED_IN = None
 _PARKED = []  # (when, iterator): live iterators Keras let go of, freed at a later strategy `fit`
 _IDLE_AFTER = 1.0  # seconds parked before an iterator is freed: its buffers are full by then
 _lock = threading.Lock()
+_released = threading.Condition(_lock)  # guards _TO_FREE; notified as the reaper empties it
+_TO_FREE = []  # lists of idle entries the reaper thread frees, oldest first
+_reaper = []  # the one reaper thread, once started
+_EXIT_WAIT = 30.0  # seconds, at interpreter exit, for the reaper to finish freeing
 _fits = threading.local()  # .made: per running fit (innermost last), weak refs to its epoch iterators
 
 
@@ -107,13 +115,46 @@ def parked_iterators():
         return [iterator for _, iterator in _PARKED]
 
 
+def wait_released(timeout):
+    """True once every iterator handed to the reaper is freed; False if `timeout` s pass first."""
+    with _released:
+        return _released.wait_for(lambda: not _TO_FREE, timeout)
+
+
 def _release_parked():
-    """Frees the iterators parked at least _IDLE_AFTER seconds ago (at the start of a fit)."""
+    """Hands the iterators parked at least _IDLE_AFTER seconds ago to the reaper thread.
+
+    Called at the start of a fit. Freeing is not done here: TensorFlow's `MultiDeviceIterator`
+    teardown waits for its background threads, about a second per iterator now and then
+    (measured: fits under a 2-replica MirroredStrategy on an idle 2-core machine, 0.8-3.6 s
+    in this call in 4 of 24 calls), and the user's next `fit` would wait with it.
+    """
     now = time.monotonic()
     with _lock:
         idle = [entry for entry in _PARKED if now - entry[0] >= _IDLE_AFTER]
+        if not idle:
+            return
         _PARKED[:] = [entry for entry in _PARKED if now - entry[0] < _IDLE_AFTER]
-    del idle  # freed here, outside the lock
+        _TO_FREE.append(idle)
+        del idle  # the reaper holds the last reference
+        if not _reaper:
+            _reaper.append(threading.Thread(target=_reap, name="tfscale-iterator-reaper", daemon=True))
+            _reaper[0].start()
+            atexit.register(wait_released, _EXIT_WAIT)  # not torn down mid-free at exit
+        _released.notify_all()
+
+
+def _reap():
+    """The reaper thread: frees handed-over iterators, outside the lock, one list at a time."""
+    while True:
+        with _released:
+            _released.wait_for(lambda: _TO_FREE)
+            batch = _TO_FREE[0]
+        batch.clear()  # the iterators' teardown runs (and waits) here
+        del batch
+        with _released:
+            _TO_FREE.pop(0)
+            _released.notify_all()
 
 
 def _kept(original):

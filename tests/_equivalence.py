@@ -7,7 +7,10 @@ trains both on the same data in the same order (16 samples, batches of 8, 2 epoc
 shuffling) and compares what the feature exposes: per-epoch losses and metrics,
 validation losses, `evaluate`, `predict`, the final weights in the unsplit model's
 layout (`strategy.merge`, or the model itself for mirrored), the file `save_weights`
-writes, `get_weights`/`set_weights`. Outcomes:
+writes, `get_weights`/`set_weights`, the model `save` writes as `load_model` reads it back
+(its weights, predictions, and one more epoch on it: the optimizer state came along), a
+run interrupted mid-epoch and resumed by a new model from `tfscale.callbacks.BackupAndRestore`
+(against the uninterrupted run), freeze / fit / unfreeze / compile / fit. Outcomes:
 
     EQUAL    every compared value within TOLERANCE of the reference;
     REFUSED  a `tfscale.Error` raised before the first step, its message one line, no
@@ -23,12 +26,15 @@ Only EQUAL, REFUSED and N/A pass.
 
 Tiers (one process, 4 logical CPUs from tests/conftest.py, references shared by key):
     smoke     `pytest tests/test_equivalence.py -m "not slow"` (the suite's fast tier): the
-              first pairwise case of each model-parallel mode, M and D, and the cases the
-              harness once found (tests/test_equivalence.py REGRESSIONS; 25 cases, ~1 min).
+              first pairwise case of each model-parallel mode, M and D, and of each value
+              added later (ADDED), and the cases the harness once found
+              (tests/test_equivalence.py REGRESSIONS; ~30 cases, ~2 min).
               They are pairwise cases themselves (one aside): a full run runs each once.
     pairwise  `pytest tests/test_equivalence.py -m slow` (in `.ci/run`): a pairwise cover,
               every pair of values of any two dimensions in at least one case (`pairwise`,
-              fixed seed; 267 cases, ~10 min on a quiet 2-core machine: too slow for the
+              fixed seed; 344 cases: the 267 of the first values, then 77 for the pairs of
+              the values added later (ADDED), appended so that no earlier case changed (a
+              cover made afresh would have 303); ~13 min on a quiet 2-core machine: too slow for the
               5-minute fast tier, measured, so it is the CI gate). Cases with a known open
               difference are strict xfails in tests/test_equivalence.py (`KNOWN`), each with
               its reason: one that starts to pass fails the run until it leaves the list.
@@ -43,6 +49,13 @@ every DIFFER/CRASH case with its size.
 TOLERANCE: 1e-5 absolute plus 1e-5 relative, float32, for every compared value. No
 looser tolerance is used: the modes reassociate sums (micro-batch losses, all-reduced
 gradients), which moves results by ~1e-7 after 4 steps of these models.
+MIXED_TOLERANCE (option mixed_float16 only): 1e-3 absolute plus 1e-3 relative, one
+float16 rounding (2^-10 relative; 2^-11 at most in round-to-nearest): there the activations
+and the per-micro-batch or per-copy gradients are float16, and a sum split in two parts is
+rounded twice. Measured: up to ~1e-3 (pipeline M=1 D=2, Nesterov SGD). Its limit: a mode
+computing some layers in float32 instead is within it too on these small models (a tensor
+split whose shards lost the policy: 7e-4); a loss not scaled, or any float32 difference, is
+not (pipeline without `scale_loss`: 0.05).
 """
 
 import contextlib
@@ -58,6 +71,7 @@ import time
 import numpy as np
 
 TOLERANCE = 1e-5
+MIXED_TOLERANCE = 1e-3  # mixed_float16: float16 sums reassociated (module docstring)
 SEED = 7
 CI_CASES = 60  # measured ~14 s a case on 2 cores shared by 8 jobs; ~4 s estimated quiet: ~4 min
 BATCH, SAMPLES, EPOCHS = 8, 16, 2
@@ -69,7 +83,7 @@ OPTIMIZERS = (
     "nadam", "ftrl", "lion", "adafactor", "lamb", "muon", "loss_scale",
 )  # fmt: skip
 OPTIONS = ("none", "clipnorm", "global_clipnorm", "clipvalue", "weight_decay", "ema", "lr_schedule",
-           "accumulation")  # fmt: skip
+           "accumulation", "exclude_weight_decay", "mixed_float16")  # fmt: skip
 LAYERS = (
     "dense", "embedding_repeated", "embedding_mask_zero", "conv", "rnn_masked", "lstm_masked",
     "gru_timestep_masked", "bidirectional_masked", "attention", "batchnorm", "batchnorm_inference",
@@ -78,7 +92,7 @@ LAYERS = (
 FEATURES = (
     "fit", "sample_weight", "class_weight", "validation_data", "evaluate", "predict", "metrics",
     "metrics_masked", "steps_per_execution", "lr_callback", "uneven_numpy", "uneven_tf_data",
-    "save_load_weights", "get_set_weights",
+    "save_load_weights", "get_set_weights", "backup_resume", "freeze_unfreeze", "save_load_model",
 )  # fmt: skip
 DIMENSIONS = {
     "mode": MODES,
@@ -89,6 +103,17 @@ DIMENSIONS = {
     "layer": LAYERS,
     "feature": FEATURES,
 }
+# Values added after the cover was first run, in the order they came: the cover is the first
+# values' cover, then for each round the cases its new pairs need, appended; so the cases
+# already run keep their ids (and tests/test_equivalence.py's KNOWN its entries).
+ADDED_ROUNDS = (
+    {  # the model's life around fit, mixed precision (issue 24)
+        "option": ("exclude_weight_decay", "mixed_float16"),
+        "feature": ("backup_resume", "freeze_unfreeze", "save_load_model"),
+    },
+    {"mode": ("zb-v",)},  # the ZB-V schedule (issue 30)
+)
+ADDED = {n: tuple(v for r in ADDED_ROUNDS for v in r.get(n, ())) for r in ADDED_ROUNDS for n in r}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,45 +143,46 @@ def valid(assignment):
     return True
 
 
-# Values added to a dimension after the cover was first drawn: the cases covering their pairs
-# are appended to the cover of the others, so the earlier cases (their ids in the tests'
-# KNOWN list and fast tier) stay as they were.
-ADDED = {"mode": ("zb-v",)}
-
-
-def pairwise(dimensions=DIMENSIONS, seed=SEED, added=ADDED):
+def pairwise(dimensions=DIMENSIONS, seed=SEED, added=None):
     """A deterministic list of cases in which every valid pair of values of two dimensions occurs.
 
-    Greedy (AETG-like): each new case starts from an uncovered pair and fills the other
-    dimensions, in a seeded order, with the value covering most uncovered pairs. The pairs
-    of the `added` values are covered last, by cases appended to the others' cover.
+    The cover of the values in no round of `added` (default ADDED_ROUNDS; one {dimension:
+    values} or a sequence of them), then, round by round, the cases the round's new pairs
+    need, appended: a value added later changes no case already run.
     """
+    rounds = ADDED_ROUNDS if added is None else (added,) if isinstance(added, dict) else tuple(added)
+
+    def without(later):
+        return {
+            n: tuple(v for v in values if not any(v in r.get(n, ()) for r in later))
+            for n, values in dimensions.items()
+        }
+
+    cases = _greedy(without(rounds), seed)
+    for i in range(len(rounds)):
+        cases = _greedy(without(rounds[i + 1 :]), seed, cases)
+    return cases
+
+
+def _greedy(dimensions, seed, start=()):
+    """Greedy (AETG-like): each new case starts from an uncovered pair (none covered by
+    `start`, the cases it extends) and fills the other dimensions, in a seeded order, with
+    the value covering most uncovered pairs."""
     rng = random.Random(seed)
     names = list(dimensions)
-    earlier = {n: tuple(v for v in values if v not in added.get(n, ())) for n, values in dimensions.items()}
-    used = {(n, v): 0 for n in names for v in dimensions[n]}
-    cases = _cover(earlier, _pairs(earlier), rng, used)
-    remaining = _pairs(dimensions) - {
-        _pair(x, getattr(c, x), y, getattr(c, y), names)
-        for c in cases
-        for x, y in itertools.combinations(names, 2)
-    }
-    return cases + _cover(dimensions, remaining, rng, used)
-
-
-def _pairs(dimensions):
-    names = list(dimensions)
-    return {
+    uncovered = {
         ((a, va), (b, vb))
         for a, b in itertools.combinations(names, 2)
         for va in dimensions[a]
         for vb in dimensions[b]
         if valid({a: va, b: vb})
     }
-
-
-def _cover(dimensions, uncovered, rng, used):
-    names, cases = list(dimensions), []
+    cases, used = list(start), {(n, v): 0 for n in names for v in dimensions[n]}
+    for case in cases:
+        for name in names:
+            used[name, getattr(case, name)] += 1
+        uncovered -= {_pair(x, getattr(case, x), y, getattr(case, y), names)
+                      for x, y in itertools.combinations(names, 2)}  # fmt: skip
     while uncovered:
         (a, va), (b, vb) = rng.choice(sorted(uncovered, key=repr))
         chosen = {a: va, b: vb}
@@ -201,7 +227,11 @@ def tier_cases(tier):
         for case in fast:
             if case.mode != "mirrored":  # the reference mode: in the pairwise tier
                 first.setdefault((case.mode, case.m, case.dp), case)
-        return list(first.values())
+                # And each value added later (ADDED), so that a break of it shows here too.
+                for name, values in ADDED.items():
+                    if getattr(case, name) in values:
+                        first.setdefault((name, getattr(case, name)), case)
+        return list(dict.fromkeys(first.values()))
     if tier == "full":
         return list(full_cross())
     if tier != "ci":
@@ -350,6 +380,8 @@ _OPTION_KWARGS = {
     "weight_decay": {"weight_decay": 0.1},
     "ema": {"use_ema": True, "ema_momentum": 0.5},
     "accumulation": {"gradient_accumulation_steps": 2},
+    "exclude_weight_decay": {"weight_decay": 0.1},  # and exclusions, made in `_compile`
+    "mixed_float16": {},  # a global dtype policy (`precision`); compile wraps a LossScaleOptimizer
 }
 
 
@@ -396,6 +428,18 @@ def _compile(model, case):
         weighted_metrics=weighted,
         steps_per_execution=2 if case.feature == "steps_per_execution" else 1,
     )
+    if case.option == "exclude_weight_decay":  # one layer's variables and every bias
+        model.optimizer.exclude_from_weight_decay(
+            var_list=_first_weighted_layer(model).trainable_weights, var_names=["bias"]
+        )
+
+
+def _first_weighted_layer(model):
+    """The model's first layer with weights (through `get_layer`: the user's layer in a split)."""
+    for index in itertools.count():
+        layer = model.get_layer(index=index)
+        if layer.weights:
+            return layer
 
 
 def _fit_arguments(case, x, y):
@@ -418,23 +462,77 @@ def _fit_arguments(case, x, y):
     return (x, y), kwargs
 
 
-def run(model, case, merged, *, files, rebuild):
+class _Interrupted(Exception):
+    """Raised by `_Interrupt`: the job stopped mid-epoch (backup_resume)."""
+
+
+def _interrupt_at(step):
+    import keras
+
+    class Interrupt(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.steps = 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.steps == step:
+                raise _Interrupted(f"interrupted before step {step}")
+            self.steps += 1
+
+    return Interrupt()
+
+
+def _train(model, merged, case, args, kwargs, files, respawn):
+    """`fit` as the feature asks: (the model trained, its `merged`, the history)."""
+    if case.feature == "freeze_unfreeze":  # Keras's fine-tuning recipe, one epoch each
+        layer = _first_weighted_layer(model)
+        layer.trainable = False
+        first = model.fit(*args, **{**kwargs, "epochs": 1}).history
+        layer.trainable = True
+        _compile(model, case)
+        second = model.fit(*args, **{**kwargs, "epochs": 1}).history
+        return model, merged, {k: first[k] + second[k] for k in first}
+    if case.feature == "backup_resume" and respawn is not None:
+        from tfscale import callbacks
+
+        # Stopped before the second step of the first epoch (backed up after every step),
+        # then a new job's model resumes: the last epoch's loss and the weights must be the
+        # uninterrupted run's. (The interrupted epoch's mean covers only the resumed steps.)
+        backup = callbacks.BackupAndRestore(os.path.join(files, "backup"), save_freq=1)
+        try:
+            model.fit(*args, **{**kwargs, "callbacks": [backup, _interrupt_at(1)]})
+            raise AssertionError("the interruption did not happen")
+        except _Interrupted:
+            pass
+        model, merged = respawn()
+        _compile(model, case)
+        return model, merged, model.fit(*args, **{**kwargs, "callbacks": [backup]}).history
+    return model, merged, model.fit(*args, **kwargs).history
+
+
+def run(model, case, merged, *, files, rebuild, respawn=None):
     """Trains `model` for the case and returns {name: value} of what the feature exposes.
 
     `merged()` gives the model in the unsplit layout after training; `files` is a folder
-    for weights files; `rebuild()` a fresh plain model (to load a written file into).
+    for weights files; `rebuild()` a fresh plain model (to load a written file into);
+    `respawn()` a fresh (model, merged) of the same mode: the job restarted after an
+    interruption (backup_resume; None for the reference, which runs uninterrupted).
     """
+    import keras
+
     samples = SAMPLES + 3 if case.feature.startswith("uneven") else SAMPLES
     x, y = make_data(case.layer, samples, seed=1)
     _compile(model, case)
     args, kwargs = _fit_arguments(case, x, y)
-    history = model.fit(*args, **kwargs).history
+    model, merged, history = _train(model, merged, case, args, kwargs, files, respawn)
+    if case.feature == "backup_resume":
+        history = {k: v[-1:] for k, v in history.items()}
     out = {f"history.{k}": np.asarray(v) for k, v in sorted(history.items()) if k != "learning_rate"}
     out["weights"] = [np.asarray(w) for w in merged().get_weights()]
     xv, yv = make_data(case.layer, BATCH, seed=3)
     if case.feature == "evaluate":
         out["evaluate"] = np.asarray(model.evaluate(xv, yv, batch_size=BATCH, verbose=0))
-    if case.feature == "predict":
+    if case.feature in ("predict", "backup_resume", "freeze_unfreeze"):
         out["predict"] = model.predict(xv, batch_size=BATCH, verbose=0)
     if case.feature == "save_load_weights":
         path = os.path.join(files, "trained.weights.h5")
@@ -448,7 +546,38 @@ def run(model, case, merged, *, files, rebuild):
         out["get_weights"] = [np.asarray(w) for w in model.get_weights()]
         model.set_weights([w * 0.5 for w in out["get_weights"]])
         out["predict_after_set_weights"] = model.predict(xv, batch_size=BATCH, verbose=0)
+    if case.feature == "save_load_model":  # the whole model: architecture, weights, optimizer
+        path = os.path.join(files, "trained.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path, custom_objects={c.__name__: c for c in _custom_layers()})
+        out["loaded.weights"] = [np.asarray(w) for w in loaded.get_weights()]
+        out["loaded.predict"] = loaded.predict(xv, batch_size=BATCH, verbose=0)
+        # It continues as the saved model would: the optimizer's state came with it.
+        out["loaded.history.loss"] = np.asarray(loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                                                           verbose=0).history["loss"])  # fmt: skip
+        out["loaded.trained_weights"] = [np.asarray(w) for w in loaded.get_weights()]
     return out
+
+
+@contextlib.contextmanager
+def precision(case):
+    """The case's global dtype policy (mixed_float16), the previous one restored after."""
+    import keras
+
+    if case.option != "mixed_float16":
+        yield
+        return
+    before = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    _POLICY["name"] = "mixed_float16"
+    try:
+        yield
+    finally:
+        _POLICY["name"] = None
+        keras.mixed_precision.set_global_policy(before)
+
+
+_POLICY = {"name": None}  # the global dtype policy `precision` set (`clear_session` resets it)
 
 
 # ---------------------------------------------------------------- modes
@@ -515,6 +644,8 @@ def _clear():
     # Keras's default also runs a full garbage collection: 0.2 s a call on this heap, ~15% of
     # a case. Reference counting frees the last case's models; no test here needs more.
     keras.backend.clear_session(free_memory=False)
+    if _POLICY["name"] is not None:
+        keras.mixed_precision.set_global_policy(_POLICY["name"])
 
 
 def _first_line(error):
@@ -530,6 +661,11 @@ def _first_line(error):
 
 def run_case(case, tamper=None):
     """Runs one case against its reference; `tamper(stage, model)` breaks it on purpose (tests)."""
+    with precision(case):
+        return _run_case(case, tamper)
+
+
+def _run_case(case, tamper):
     from tfscale import errors
 
     root = tempfile.mkdtemp(prefix="tfscale-eq-")
@@ -552,6 +688,15 @@ def run_case(case, tamper=None):
             model = strategy.split(user)
             scope, merged = contextlib.nullcontext, lambda: strategy.merge(model)
         before = model.get_weights()
+
+        def respawn():  # a restarted job: the same mode, a new model from the seed
+            if case.mode == "mirrored":
+                with strategy.scope():
+                    again = _fresh(case.layer)
+                return _Watched(again, tamper, lambda: steps.append(1)), lambda: again
+            again = strategy.split(_fresh(case.layer))
+            return _Watched(again, tamper, lambda: steps.append(1)), lambda: strategy.merge(again)
+
         if tamper:
             tamper("split", model)
         files = os.path.join(root, "mode")
@@ -563,6 +708,7 @@ def run_case(case, tamper=None):
                 merged,
                 files=files,
                 rebuild=lambda: _fresh(case.layer),
+                respawn=respawn,
             )
     except errors.Error as e:
         text = str(e)
@@ -610,8 +756,13 @@ def _changed(before, after):
     )
 
 
+def tolerance(case):
+    return MIXED_TOLERANCE if case.option == "mixed_float16" else TOLERANCE
+
+
 def compare(case, ref, got):
     """EQUAL, or DIFFER naming the first value off and by how much."""
+    tol, largest = tolerance(case), 0.0
     for key in ref:
         if key not in got:
             return Outcome(case, "DIFFER", f"{key}: missing (got {sorted(got)})", float("inf"))
@@ -629,12 +780,14 @@ def compare(case, ref, got):
             pairs = [(a, b)]
         for i, (want, have) in enumerate(pairs):
             x, z = np.asarray(want, dtype="float64"), np.asarray(have, dtype="float64")
-            excess = np.abs(x - z) - (TOLERANCE + TOLERANCE * np.abs(x))
+            excess = np.abs(x - z) - (tol + tol * np.abs(x))
+            if np.all(np.isfinite(x)) and np.all(np.isfinite(z)) and x.size:
+                largest = max(largest, float(np.max(np.abs(x - z))))
             if np.any(excess > 0) or not np.all(np.isfinite(z) == np.isfinite(x)):
                 size = float(np.nanmax(np.abs(x - z)))
                 where = f"[{i}]" if len(pairs) > 1 else ""
                 return Outcome(case, "DIFFER", f"{key}{where} off by {size:.2g}", size)
-    return Outcome(case, "EQUAL")
+    return Outcome(case, "EQUAL", size=largest)  # the largest difference seen, within tolerance
 
 
 BASELINE = {"m": 1, "dp": 1, "optimizer": "sgd", "option": "none", "layer": "dense", "feature": "fit"}

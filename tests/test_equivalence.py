@@ -2,7 +2,8 @@
 
 The cases, the comparison and the tiers are in tests/_equivalence.py (read its docstring):
     smoke     pytest tests/test_equivalence.py -m "not slow"   (one case per mode, M and D,
-              and the REGRESSIONS; the pairwise ones are those same pairwise cases, run once)
+              one per value added later (eq.ADDED), and the REGRESSIONS; the pairwise ones
+              are those same pairwise cases, run once)
     pairwise  pytest tests/test_equivalence.py -m slow         (the pairwise cover: the CI gate)
     ci/full   TFSCALE_EQUIVALENCE=ci|full pytest tests/test_equivalence.py -m slow
 Each case passes when EQUAL, REFUSED (one line, before any step, nothing changed) or N/A
@@ -17,12 +18,6 @@ import numpy as np
 import pytest
 
 from tfscale import errors
-
-# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
-# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
-FAST_REPRESENTATIVES = {
-    "test_mode_equals_plain_keras_pairwise": 12,
-}
 
 # The cases share nothing but a cache of reference runs: xdist deals them out one by one.
 SPREAD_OVER_WORKERS = True
@@ -45,6 +40,8 @@ KNOWN = {
     "mirrored-1-2-adadelta-lr_schedule-batchnorm-sample_weight": _BN,
     "mirrored-1-2-sgd-global_clipnorm-dropout-save_load_weights": _DROPOUT,
     "mirrored-1-2-sgd_momentum-global_clipnorm-batchnorm_inference-metrics_masked": _BN,
+    "mirrored-1-2-lamb-mixed_float16-batchnorm-sample_weight": _BN,
+    "mirrored-1-2-adamw-none-dropout-backup_resume": _DROPOUT,
 }
 
 
@@ -72,11 +69,25 @@ REGRESSIONS = [
     eq.Case("tensor", 1, 2, "adagrad", "clipvalue", "bidirectional_masked", "uneven_tf_data"),
     eq.Case("1f1b", 2, 1, "adam", "none", "batchnorm", "evaluate"),  # per-micro-batch statistics: refused
     eq.Case("zb-h1", 2, 1, "lion", "global_clipnorm", "dropout", "validation_data"),  # masks: refused
+    eq.Case("gpipe", 2, 1, "nadam", "mixed_float16", "embedding_repeated", "save_load_model"),  # u_product
+    eq.Case("layer", 1, 2, "ftrl", "exclude_weight_decay", "embedding_repeated", "freeze_unfreeze"),  # D=2
+    eq.Case("gpipe", 2, 1, "adafactor", "weight_decay", "regularizers", "save_load_model"),  # slots "kernel"
 ]
 _FAST = set(SMOKE) | set(REGRESSIONS)
+# The fast cases with a value added later (eq.ADDED): first in the parametrization, so that
+# the fast tier keeps them beside the first 12 of the others.
+_ADDED_FAST = [c for c in PAIRWISE if c in _FAST and any(getattr(c, n) in v for n, v in eq.ADDED.items())]
+
+# The fast tier keeps the first N cases of these parametrized tests; the rest run in the
+# full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {
+    "test_mode_equals_plain_keras_pairwise": 12 + len(_ADDED_FAST),
+}
 
 
-@pytest.mark.parametrize("case", [_param(c) for c in PAIRWISE])
+@pytest.mark.parametrize(
+    "case", [_param(c) for c in _ADDED_FAST + [c for c in PAIRWISE if c not in _ADDED_FAST]]
+)
 def test_mode_equals_plain_keras_pairwise(case):
     _check(case)
 

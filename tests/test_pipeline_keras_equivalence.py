@@ -386,6 +386,8 @@ def test_save_writes_the_unsplit_model_that_load_model_reads(tmp_path):
     np.testing.assert_allclose(
         loaded.predict(x, verbose=0), pipelined.predict(x, verbose=0), rtol=RTOL, atol=ATOL
     )
+    # Compiled, with the optimizer state: `fit` on it continues (it used to need compile()).
+    assert loaded.compiled and int(loaded.optimizer.iterations) == int(pipelined.optimizer.iterations) > 0
 
 
 # -- Layers that need the whole batch: refused at M > 1 unless GPipe's semantics are asked for --

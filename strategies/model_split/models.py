@@ -425,12 +425,18 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
         self._data_parallel().sync()
 
     def save(self, filepath, overwrite=True, **kwargs):
-        """Refused: D copies are one training set-up, not one model; see the message."""
-        raise ModelSplitError(
-            f"Cannot save data-parallel split model {self.name!r} with save({str(filepath)!r}): its "
-            "D copies are not one Keras model. Expected strategy.merge(model).save(path) (the "
-            "unsplit model; split it again after load_model), or model.save_weights(path)."
-        )
+        """Saves the unsplit model (what `strategy.merge(model)` gives: the user's architecture,
+        replica 0's weights, compiled with this model's optimizer state) as Keras does.
+
+        `keras.models.load_model` then gives the user's one-device model, which continues
+        training as this one would; split it again to train it with data_parallel.
+        """
+        from tfscale.strategies import _parts
+
+        # Its D copies are not one Keras model: the unsplit model they all hold is.
+        origin = self.primary._tfscale_origin
+        merged = _parts.merge(origin, self.primary, compiled=self)
+        return merged.save(filepath, overwrite=overwrite, **kwargs)
 
     def get_layer(self, name=None, index=None):
         """A layer of replica 0 (the user's layers), by name or index: e.g. to freeze it."""

@@ -275,10 +275,17 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):
         """Saves the unsplit model (the user's architecture, trained weights) as Keras does.
 
-        `keras.models.load_model` then gives the user's one-device model; split it again to
-        train it as a pipeline.
+        `keras.models.load_model` then gives the user's one-device model, compiled as this
+        one is and holding its optimizer state (what `strategy.merge` gives), so `fit` on it
+        continues as plain Keras's loaded model does; split it again to train it as a pipeline.
         """
-        return self.unsplit_model.save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        from tfscale.strategies import _parts
+
+        if self._plan.origin is None:
+            return self.unsplit_model.save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        # The unsplit model alone is not compiled: a loaded one could not continue.
+        merged = _parts.merge(self._plan.origin, self.unsplit_model, compiled=self)
+        return merged.save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Writes the unsplit model's weights file (loadable by the user's original model)."""

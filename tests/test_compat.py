@@ -400,7 +400,7 @@ def test_a_strategy_fits_first_iterator_is_parked_freed_at_a_later_fit_and_train
     del new
     with mock.patch.object(keras_symbolic_build, "_IDLE_AFTER", 0.0):  # idle at once, for the test
         model.fit(x, y, batch_size=4, epochs=2, verbose=0)
-    assert keras_symbolic_build.wait_released(60)
+    assert keras_symbolic_build.wait_released(120), "the reaper did not free the parked iterators in 120 s"
     assert first() is None  # handed to the reaper when the next fit started, and freed there
     patched = model.get_weights()
 
@@ -533,7 +533,7 @@ def test_a_fit_that_raises_parks_its_live_iterators_and_leaves_no_cycle_for_the_
     del live
     with mock.patch.object(keras_symbolic_build, "_IDLE_AFTER", 0.0):  # idle at once, for the test
         model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    assert keras_symbolic_build.wait_released(60)
+    assert keras_symbolic_build.wait_released(120), "the reaper did not free the parked iterators in 120 s"
     assert [ref() for ref in parked] == [None] * len(parked)  # freed after the next fit started
     assert all(ref() is None for ref in stop.epoch_iterators)
 

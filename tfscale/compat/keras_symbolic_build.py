@@ -21,7 +21,9 @@ worker in 2 of the last 3 full runs (tests/test_hostile_backup.py, 53 such fits 
 start of a later `fit` under a strategy hands the ones parked at least a second before
 (their buffers long full, their background threads waiting) to one reaper thread that
 frees them: a teardown can wait about a second for TensorFlow's background threads, and
-the user's `fit` does not wait with it (`wait_released()`; at exit, up to 30 s). Never in a garbage
+the user's `fit` does not wait with it (`wait_released()`; at exit, up to 30 s). A teardown that
+runs past 30 s (seen once in CI: it never came back, and every later one queued behind it)
+is left to its thread and a fresh reaper frees the rest (`abandoned_teardowns()`). Never in a garbage
 collection: kept per model, a model in a reference cycle took its iterator into one, and
 the teardown then stalled that collection for seconds (tests/_gc_probe.py). A parked
 iterator is never read again; the batches `fit` trains on come from the iterators Keras
@@ -56,9 +58,11 @@ import weakref
 __all__ = [
     "CHECKED_ON",
     "FIXED_IN",
+    "abandoned_teardowns",
     "keep_first_input_iterator",
     "park_interrupted_inputs",
     "parked_iterators",
+    "reaper_report",
     "wait_released",
 ]
 
@@ -68,8 +72,12 @@ _PARKED = []  # (when, iterator): live iterators Keras let go of, freed at a lat
 _IDLE_AFTER = 1.0  # seconds parked before an iterator is freed: its buffers are full by then
 _lock = threading.Lock()
 _released = threading.Condition(_lock)  # guards _TO_FREE; notified as the reaper empties it
-_TO_FREE = []  # lists of idle entries the reaper thread frees, oldest first
-_reaper = []  # the one reaper thread, once started
+_TO_FREE = []  # idle entries (when, iterator, who) the reaper frees, oldest first
+_reapers = []  # reaper threads started (one at work; more only after a stuck teardown)
+_tearing_down = {}  # reaper thread ident -> (since, what): the teardown it runs now
+_STUCK_AFTER = 30.0  # seconds in one teardown before its reaper is given up on
+_abandoned_threads = set()  # idents of reapers left in a stuck teardown
+_ABANDONED = []  # one line per abandoned teardown
 _EXIT_WAIT = 30.0  # seconds, at interpreter exit, for the reaper to finish freeing
 _fits = threading.local()  # .made: per running fit (innermost last), weak refs to its epoch iterators
 
@@ -112,13 +120,49 @@ def park_interrupted_inputs():
 def parked_iterators():
     """The iterators parked now (tests)."""
     with _lock:
-        return [iterator for _, iterator in _PARKED]
+        return [entry[1] for entry in _PARKED]
 
 
 def wait_released(timeout):
-    """True once every iterator handed to the reaper is freed; False if `timeout` s pass first."""
+    """True once every iterator handed to the reaper is freed; False if `timeout` s pass first.
+
+    A teardown stuck past _STUCK_AFTER seconds is left to its thread and not waited for
+    (`abandoned_teardowns()`); a fresh reaper frees the rest.
+    """
+    deadline = time.monotonic() + timeout
     with _released:
-        return _released.wait_for(lambda: not _TO_FREE, timeout)
+        while True:
+            _replace_stuck_reaper()
+            if not _TO_FREE and not _live_teardowns():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            _released.wait(min(left, 1.0))
+
+
+def abandoned_teardowns():
+    """One line per teardown that ran past _STUCK_AFTER seconds and was left to its thread."""
+    with _lock:
+        return list(_ABANDONED)
+
+
+def reaper_report():
+    """What the reaper threads are doing now, with their Python stacks (for a failed wait)."""
+    import sys
+    import traceback
+
+    frames = sys._current_frames()
+    now = time.monotonic()
+    with _lock:
+        lines = [f"{len(_TO_FREE)} iterator(s) waiting to be freed; abandoned: {_ABANDONED or 'none'}"]
+        for thread in _reapers:
+            state = _tearing_down.get(thread.ident)
+            doing = f"tearing down {state[1]} for {now - state[0]:.1f} s" if state else "idle"
+            lines.append(f"{thread.name} (alive={thread.is_alive()}): {doing}")
+            if thread.ident in frames:
+                lines.extend(line.rstrip() for line in traceback.format_stack(frames[thread.ident]))
+    return "\n".join(lines)
 
 
 def _release_parked():
@@ -131,29 +175,61 @@ def _release_parked():
     """
     now = time.monotonic()
     with _lock:
+        _replace_stuck_reaper()
         idle = [entry for entry in _PARKED if now - entry[0] >= _IDLE_AFTER]
         if not idle:
             return
         _PARKED[:] = [entry for entry in _PARKED if now - entry[0] < _IDLE_AFTER]
-        _TO_FREE.append(idle)
+        _TO_FREE.extend(idle)
         del idle  # the reaper holds the last reference
-        if not _reaper:
-            _reaper.append(threading.Thread(target=_reap, name="tfscale-iterator-reaper", daemon=True))
-            _reaper[0].start()
+        if not _reapers:
+            _start_reaper()
             atexit.register(wait_released, _EXIT_WAIT)  # not torn down mid-free at exit
         _released.notify_all()
 
 
+def _start_reaper():
+    thread = threading.Thread(target=_reap, name="tfscale-iterator-reaper", daemon=True)
+    _reapers.append(thread)
+    thread.start()
+
+
+def _live_teardowns():
+    return [ident for ident in _tearing_down if ident not in _abandoned_threads]
+
+
+def _replace_stuck_reaper():
+    """Under _lock: a teardown running past _STUCK_AFTER s is abandoned to its thread; a new reaper goes on.
+
+    TensorFlow's teardown cannot be interrupted; seen once in CI, a reaper never came back
+    from one, and every later iterator (and every wait) queued behind it.
+    """
+    now = time.monotonic()
+    for ident, (since, what) in list(_tearing_down.items()):
+        if ident in _abandoned_threads or now - since < _STUCK_AFTER:
+            continue
+        _abandoned_threads.add(ident)
+        _ABANDONED.append(f"{what}: teardown still running after {now - since:.0f} s, left to its thread")
+        _start_reaper()
+
+
 def _reap():
-    """The reaper thread: frees handed-over iterators, outside the lock, one list at a time."""
+    """A reaper thread: frees handed-over iterators, outside the lock, one at a time."""
+    ident = threading.get_ident()
     while True:
         with _released:
-            _released.wait_for(lambda: _TO_FREE)
-            batch = _TO_FREE[0]
-        batch.clear()  # the iterators' teardown runs (and waits) here
-        del batch
+            _released.wait_for(lambda: _TO_FREE or ident in _abandoned_threads)
+            if ident in _abandoned_threads:
+                return
+            entry = _TO_FREE.pop(0)
+            _tearing_down[ident] = (time.monotonic(), f"{type(entry[1]).__name__} parked by {entry[2]}")
+        entry = None  # the iterator's teardown runs (and waits) here
         with _released:
-            _TO_FREE.pop(0)
+            del _tearing_down[ident]
+            if ident in _abandoned_threads:  # came back after all; a newer reaper has the queue
+                _reapers[:] = [t for t in _reapers if t.ident != ident]
+                _released.notify_all()
+                return
             _released.notify_all()
 
 
@@ -164,7 +240,7 @@ def _kept(original):
         current = getattr(iterator, "_current_iterator", None)
         if current is not None and _replayable(iterator):
             with _lock:
-                _PARKED.append((time.monotonic(), current))  # Keras's reset() drops it next
+                _PARKED.append((time.monotonic(), current, f"model {self.name!r}'s first batch"))
         return result
 
     _maybe_symbolic_build._tfscale_kept = True
@@ -212,7 +288,7 @@ def _park_inputs(refs):
         current = getattr(epoch_iterator, "_current_iterator", None)
         if current is not None:
             with _lock:
-                _PARKED.append((time.monotonic(), current))
+                _PARKED.append((time.monotonic(), current, "a fit that raised"))
             epoch_iterator._current_iterator = None
         epoch_iterator._epoch_iterator = None  # the generator whose frame holds epoch_iterator
 

@@ -12,6 +12,7 @@ Each case passes when EQUAL, REFUSED (one line, before any step, nothing changed
 """
 
 import os
+import time
 
 import _equivalence as eq
 import numpy as np
@@ -56,8 +57,21 @@ def _param(case):
 
 
 def _check(case):
+    start = time.monotonic()
     outcome = eq.run_case(case)
+    _log(outcome, time.monotonic() - start)
     assert outcome.outcome in PASS, f"{outcome.outcome}: {case.id}: {outcome.detail}"
+
+
+def _log(outcome, seconds):
+    """With TFSCALE_EQUIVALENCE_LOG=FILE, each case's line as `_equivalence.py` prints it, so
+    that a pytest run (both workers append) gives the per-mode table: `python
+    tests/_equivalence.py --from-log FILE --markdown table.md`."""
+    path = os.environ.get("TFSCALE_EQUIVALENCE_LOG")
+    if path:
+        detail = " ".join(outcome.detail.split())
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"[1/1 {seconds:.0f}s] {outcome.outcome:7} {outcome.case.id} {detail}\n")
 
 
 # Cases the harness found differing or crashing, fixed at their cause: kept in the fast tier.

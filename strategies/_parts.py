@@ -10,6 +10,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from tfscale.compat import keras_optimizer_state
 from tfscale.strategies._placement import TolerantClass, copy_state, device_of
 
 __all__ = ["Origin", "merge", "report"]
@@ -67,7 +68,8 @@ def _carry_optimizer(compiled, split_model, merged):
     Slots are matched through the names Keras gives them (`add_variable_from_reference`:
     the model variable's path, "/" as "_", then the slot's name), a tensor-split layer's
     shards gathered by its own `full_weights`; the other optimizer variables (iterations,
-    learning rate, loss scale) by name.
+    learning rate, loss scale) by name; what names cannot match (Adafactor's per-variable
+    lists, Nadam's `_u_product`) through `tfscale.compat.keras_optimizer_state`.
     """
     if not getattr(compiled, "compiled", False) or getattr(compiled, "optimizer", None) is None:
         return
@@ -87,73 +89,34 @@ def _carry_optimizer(compiled, split_model, merged):
     if not target.built:
         target.build(merged.trainable_variables)
     sources = {v.name: v for v in source.variables}
-    done = set()
+    done = set()  # ids of the target's variables already given a value
     for layer in merged.layers:
-        if not layer.weights:
-            continue
-        part = split_model.get_layer(layer.name)
-        for value, target_slot in _slots(part, layer, sources, target.variables):
-            target_slot.assign(value)
-            done.add(id(target_slot))
-        if not hasattr(part, "full_weights"):
-            for mine, theirs in zip(layer.trainable_weights, part.trainable_weights):
-                _carry_indexed(source, target, theirs, mine, done)
+        if layer.weights:
+            part = split_model.get_layer(layer.name)
+            _carry_layer_slots(source, target, part, layer, sources=sources, done=done)
     for variable in target.variables:
         found = sources.get(variable.name)
         if id(variable) not in done and found is not None and tuple(found.shape) == tuple(variable.shape):
-            variable.assign(found.value)
-    _carry_attributes(source, target, done)
+            variable.assign(found.value)  # not marked: an attribute match below is surer
+    for variable, found in keras_optimizer_state.attribute_pairs(source, target):
+        _assign(variable, found.value, done)
 
 
-def _carry_indexed(source, target, theirs, mine, done):
-    """Slots kept in lists indexed by their variable, matched through that index.
-
-    Adafactor's factored slots (`_r`, `_c`) are named after the variable alone ("kernel"),
-    not its path: by name, every layer's would take one layer's value (loss 3.5e-4 off in
-    `fit` after a merge or a `load_model`).
-    """
-    source = getattr(source, "inner_optimizer", source)
-    target = getattr(target, "inner_optimizer", target)
-    try:
-        i, j = source._get_variable_index(theirs), target._get_variable_index(mine)
-    except (AttributeError, KeyError):
-        return
-    for name, slots in vars(target).items():
-        found = vars(source).get(name)
-        if not isinstance(slots, list) or not isinstance(found, list) or j >= len(slots) or i >= len(found):
-            continue
-        a, b = slots[j], found[i]
-        if (
-            isinstance(a, keras.Variable)
-            and isinstance(b, keras.Variable)
-            and id(a) not in done
-            and tuple(a.shape) == tuple(b.shape)
-        ):
-            a.assign(b.value)
-            done.add(id(a))
+def _carry_layer_slots(source, target, part, layer, *, sources, done):
+    """The slots of `layer`'s variables, from those of `part` (the layer in the split model)."""
+    for value, target_slot in _slots(part, layer, sources, target.variables):
+        _assign(target_slot, value, done)
+    if not hasattr(part, "full_weights"):
+        for mine, theirs in zip(layer.trainable_weights, part.trainable_weights):
+            for target_slot, found in keras_optimizer_state.indexed_pairs(source, target, theirs, mine):
+                _assign(target_slot, found.value, done)
 
 
-def _carry_attributes(source, target, done):
-    """The optimizer variables it holds as attributes, matched by attribute name.
-
-    Names are not enough for these: Nadam's `_u_product` is an unnamed `Variable` (its name
-    a counter, "variable_3", that differs between the two optimizers), and a
-    LossScaleOptimizer's own `iteration` bears its inner optimizer's name. Unmatched, the
-    merged (and saved) optimizer kept its initial value: `fit` after a merge or a
-    `load_model` of a saved split model differed from plain Keras's (Nadam: loss 6e-4 off).
-    """
-    for name, variable in vars(target).items():
-        found = vars(source).get(name)
-        if (
-            isinstance(variable, keras.Variable)
-            and isinstance(found, keras.Variable)
-            and id(variable) not in done
-            and tuple(found.shape) == tuple(variable.shape)
-        ):
-            variable.assign(found.value)
-    inner, source_inner = getattr(target, "inner_optimizer", None), getattr(source, "inner_optimizer", None)
-    if inner is not None and source_inner is not None:
-        _carry_attributes(source_inner, inner, done)
+def _assign(variable, value, done):
+    """Gives `variable` the value once: a slot matched surely is not overwritten by a weaker match."""
+    if id(variable) not in done:
+        variable.assign(value)
+        done.add(id(variable))
 
 
 def _slot_prefix(variable):

@@ -220,3 +220,79 @@ def test_multi_worker_optimizer_options_match_one_device():
         # fp16 on the wire rounds each summed gradient to 11 bits; Adam (lr 0.05,
         # 16 steps) carries that into the weights at the 1e-3 level.
         assert _max_difference(result.value["fp16"], _reference("plain")) < 1e-2
+
+
+def test_optimizer_state_that_names_cannot_match_is_paired_through_the_index_and_attributes():
+    """tfscale.compat.keras_optimizer_state: fails when Keras stops keeping Adafactor's factored
+    slots in lists indexed by `_get_variable_index`, or Nadam's `_u_product` as an attribute."""
+    from tfscale.compat import keras_optimizer_state
+
+    def built(cls, shapes):
+        variables = [keras.Variable(np.ones(s, "float32"), name="kernel") for s in shapes]
+        optimizer = cls(0.1)
+        optimizer.build(variables)
+        return optimizer, variables
+
+    # The source holds its variables in the other order: only the index pairs them right.
+    source, theirs = built(keras.optimizers.Adafactor, [(3, 2), (4, 5)])
+    target, mine = built(keras.optimizers.Adafactor, [(4, 5), (3, 2)])
+    for k, slot in enumerate(source._r + source._c):
+        slot.assign(np.full(slot.shape, k + 1.0, "float32"))
+    pairs = [
+        (id(a), id(b)) for a, b in keras_optimizer_state.indexed_pairs(source, target, theirs[0], mine[1])
+    ]
+    # Adafactor's `_v` holds a placeholder of shape () for a factored variable: paired too.
+    assert pairs == [(id(getattr(target, n)[1]), id(getattr(source, n)[0])) for n in ("_r", "_c", "_v")]
+    assert keras_optimizer_state.supported(source)
+
+    nadam, _ = built(keras.optimizers.Nadam, [(3, 2)])
+    other, _ = built(keras.optimizers.Nadam, [(3, 2)])
+    assert any(
+        a is other._u_product and b is nadam._u_product
+        for a, b in keras_optimizer_state.attribute_pairs(nadam, other)
+    )
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.Nadam(0.1))
+    scaled.build([keras.Variable(np.ones((3, 2), "float32"))])
+    inner = [
+        b
+        for a, b in keras_optimizer_state.attribute_pairs(scaled, scaled)
+        if b is scaled.inner_optimizer._u_product
+    ]
+    assert inner, "the inner optimizer of a LossScaleOptimizer is searched too"
+
+
+def test_optimizer_state_pairs_are_none_without_the_private_index(monkeypatch):
+    from tfscale.compat import keras_optimizer_state
+
+    optimizer = keras.optimizers.Adafactor(0.1)
+    variable = keras.Variable(np.ones((3, 2), "float32"))
+    optimizer.build([variable])
+    monkeypatch.setattr(optimizer, "_get_variable_index", None)  # as if Keras dropped it
+    assert not keras_optimizer_state.supported(optimizer)
+    assert list(keras_optimizer_state.indexed_pairs(optimizer, optimizer, variable, variable)) == []
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adafactor"])
+def test_a_merge_after_freezing_a_layer_keeps_the_optimizer_state(optimizer):
+    """Fine-tuning: train split, freeze the first layer, merge (or save). The merged optimizer
+    holds one variable less, so the variables' indices differ between the two optimizers; read
+    at those indices, the optimizer's list of all its own variables gave the merged
+    `iterations` the learning rate's value (0 after 2 steps, so Adam restarted its bias correction)."""
+    x = np.random.RandomState(0).rand(16, 4).astype("float32")
+    y = np.random.RandomState(1).rand(16, 4).astype("float32")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), *[keras.layers.Dense(4, use_bias=False) for _ in range(3)]])
+    strategy = get("model_split", num_devices=2)
+    split = strategy.split(model)
+    split.compile(keras.optimizers.get(optimizer), "mse")
+    split.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    split.layers[0].trainable = False
+    merged = strategy.merge(split)
+    source, target = split.optimizer, merged.optimizer
+    assert int(target.iterations.numpy()) == int(source.iterations.numpy()) == 2
+    by_path = {w.path: w for w in split.weights}
+    slots = ("_momentums", "_velocities") if optimizer == "adam" else ("_r", "_c")
+    for j, variable in enumerate(target._trainable_variables):
+        i = source._get_variable_index(by_path[variable.path])
+        for name in slots:
+            np.testing.assert_array_equal(getattr(target, name)[j].numpy(), getattr(source, name)[i].numpy())

@@ -157,9 +157,14 @@ def job_history(epoch_logs):
 
 # Keras resets the metrics as each epoch begins: a resumed epoch used to log the mean of
 # only the steps run after the restart (loss, mae), unlike the uninterrupted run.
-@pytest.mark.parametrize("strategy, fail_step, at", [("one_device", 22, 20), ("mirrored", 27, 25)])
-def test_resumed_epoch_logs_the_metrics_of_all_its_steps(tmp_path, strategy, fail_step, at):
-    kwargs = {"strategy": strategy, "metrics": ["mae"]}
+# Unscoped: compiled outside any strategy scope, Keras builds `mae` only at the first step.
+@pytest.mark.parametrize(
+    "strategy, scoped, fail_step, at",
+    [("one_device", True, 22, 20), ("mirrored", True, 27, 25), ("one_device", False, 22, 20)],
+    ids=["one_device", "mirrored", "unscoped"],
+)
+def test_resumed_epoch_logs_the_metrics_of_all_its_steps(tmp_path, strategy, scoped, fail_step, at):
+    kwargs = {"strategy": strategy, "metrics": ["mae"], "scoped": scoped}
     ref_logs, job_logs = [], []
     ref = workers.train(str(tmp_path / "ref"), epoch_logs=ref_logs, **kwargs)
     with pytest.raises(tfscale.callbacks.InjectedFault):

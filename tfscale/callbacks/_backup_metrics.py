@@ -6,7 +6,9 @@ compiled metrics, the model's own) at the start of each epoch, just before
 this its logged loss and metrics would cover only the steps run after the restart. The
 backup holds `model.metrics_variables` (public Keras API) beside the weights; a
 mid-epoch restore assigns them in `on_epoch_begin` of the resumed epoch, after that
-reset, and the epoch ends with the metrics of all its steps, as if uninterrupted.
+reset, and the epoch ends with the metrics of all its steps, as if uninterrupted. A model
+compiled outside any strategy scope has its compiled metrics built there first
+(`tfscale.compat.keras_metrics_build`: Keras would build them only in the first step).
 
 Under a `tf.distribute` strategy metric variables are sync-on-read: reading one outside
 a replica gives the aggregate over the replicas (a sum for Keras's metrics), and
@@ -15,6 +17,8 @@ assigning one there spreads the value so that the aggregate reads back the same
 """
 
 import logging
+
+from tfscale.compat import keras_metrics_build
 
 __all__ = ["PendingMetrics", "metric_variables", "signature_matches"]
 
@@ -48,17 +52,21 @@ class PendingMetrics:
         self.epoch, self.signature, self.values = epoch, signature, values
         self._structural_name = structural_name
 
-    def restore(self, model, epoch):
+    def restore(self, model, epoch, element_spec=None):
         """Assigns the values if `epoch` is the interrupted one; True once that is done.
 
-        Metrics that differ from the backup's (another `compile`, or compiled metrics
-        Keras builds only at the first step: a model compiled outside any strategy
-        scope) are left as Keras has them, with one log line: that epoch's metrics then
-        cover only the steps run after the restart, as before.
+        `element_spec`: one input batch's spec, to build compiled metrics that Keras
+        would build only at the first step (a model compiled outside any strategy
+        scope; `keras_metrics_build`). Metrics that still differ from the backup's
+        (another `compile`) are left as Keras has them, with one log line: that
+        epoch's metrics then cover only the steps run after the restart, as before.
         """
         if epoch != self.epoch:
             return False
         variables = metric_variables(model)
+        if not signature_matches(self.signature, variables, self._structural_name):
+            keras_metrics_build.build_compiled_metrics(model, element_spec)
+            variables = metric_variables(model)
         if not signature_matches(self.signature, variables, self._structural_name):
             _log.warning(
                 "tfscale: the metrics of epoch %d are not restored (the backup holds %d metric "

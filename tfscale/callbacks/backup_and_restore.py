@@ -694,7 +694,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if epoch != self._epoch:
             self._epoch, self._step = epoch, 0
         # `fit` has just reset the metrics (`reset_metrics` runs before `on_epoch_begin`).
-        if self._pending_metrics is not None and self._pending_metrics.restore(self.model, epoch):
+        pending = self._pending_metrics
+        if pending is not None and pending.restore(self.model, epoch, self._tracker.element_spec()):
             self._pending_metrics = None
 
     def on_train_batch_begin(self, batch, logs=None):

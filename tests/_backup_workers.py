@@ -260,8 +260,10 @@ def train(
             on_epoch_end=lambda epoch, logs: epoch_logs.append((epoch, dict(logs)))
         )
         callbacks.append(record)
-    model.fit(**make_data(dataset, batch_size, samples), epochs=epochs, callbacks=callbacks, verbose=0)
+    data = make_data(dataset, batch_size, samples)
+    history = model.fit(**data, epochs=epochs, callbacks=callbacks, verbose=0)
     return {
+        "history": dict(history.history),
         "weights": [v.value.numpy() for v in model.weights],
         "steps_run": counter.steps,
         "restored": None if stock else backup.restored_from,

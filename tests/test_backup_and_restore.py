@@ -515,6 +515,9 @@ def test_multi_worker_kill_one_worker_restart_all_resumes_exactly(tmp_path, clus
     for r, reference_run in zip(resumed, ref):
         assert r.value["steps_run"] == TOTAL_STEPS - 10
         assert max_diff(r.value, reference_run.value) <= 1e-6
+        # Resumed in epoch 0: every epoch's loss, the interrupted one's included (sync-on-read).
+        expected = reference_run.value["history"]["loss"]
+        np.testing.assert_allclose(r.value["history"]["loss"], expected, rtol=0, atol=1e-6)
     assert not os.path.exists(backup_dir)  # deleted by the chief after success
 
 

@@ -218,6 +218,7 @@ def test_backup_of_an_unknown_format_is_refused_with_what_to_do(tmp_path):
     store.write(4, {"step": 4}, [_backup_store.NpzShard("/cpu:0", [0], [np.zeros(3)])])
     manifest_path = tmp_path / "ckpt-000000000004" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest_path.write_text(json.dumps({**manifest, "format": 4, "parts": manifest.pop("shards")}))
-    with pytest.raises(_backup_store.UnusableBackupError, match=r"format 4, .*made by a newer tfscale"):
+    newer = _backup_store.FORMAT_VERSION + 1
+    manifest_path.write_text(json.dumps({**manifest, "format": newer, "parts": manifest.pop("shards")}))
+    with pytest.raises(_backup_store.UnusableBackupError, match=rf"format {newer}, .*by a newer tfscale"):
         store.load("ckpt-000000000004")

@@ -94,7 +94,8 @@ def test_pipelined_model_is_backed_up_one_shard_per_device_and_resumes_exactly(
     assert step == 8 if not async_save else FAIL_STEP - SAVE_FREQ <= step <= FAIL_STEP
     shards = _manifest(backup_dir / newest)["shards"]
     model = _built(_pipelined_model())
-    variables = model.variables + model.optimizer.variables
+    # What a backup holds, in order: the model's, the optimizer's and the metrics' variables.
+    variables = model.variables + model.optimizer.variables + model.metrics_variables
     devices = {v.value.device for v in variables}
     assert len(devices) == 2 and [s["kind"] for s in shards] == ["npz", "npz"]
     assert {s["device"] for s in shards} == devices

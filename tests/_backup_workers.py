@@ -209,8 +209,13 @@ def train(
     metrics=None,
     scoped=True,
     job_id=None,
+    epoch_logs=None,
 ):
-    """Trains once (resuming from `backup_dir` if it holds a backup); returns a result dict."""
+    """Trains once (resuming from `backup_dir` if it holds a backup); returns a result dict.
+
+    `epoch_logs`, a list, gets `(epoch, logs)` at each epoch end (kept when `fit` raises:
+    one list over a job's attempts holds the job's whole history).
+    """
     import time
 
     import keras
@@ -250,8 +255,15 @@ def train(
                 fail["step"], fail["mode"], task=fail.get("task"), restart_count=fail.get("restart_count")
             )
         )
-    model.fit(**make_data(dataset, batch_size, samples), epochs=epochs, callbacks=callbacks, verbose=0)
+    if epoch_logs is not None:
+        record = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: epoch_logs.append((epoch, dict(logs)))
+        )
+        callbacks.append(record)
+    data = make_data(dataset, batch_size, samples)
+    history = model.fit(**data, epochs=epochs, callbacks=callbacks, verbose=0)
     return {
+        "history": dict(history.history),
         "weights": [v.value.numpy() for v in model.weights],
         "steps_run": counter.steps,
         "restored": None if stock else backup.restored_from,

@@ -496,8 +496,9 @@ def _train(model, merged, case, args, kwargs, files, respawn):
         from tfscale import callbacks
 
         # Stopped before the second step of the first epoch (backed up after every step),
-        # then a new job's model resumes: the last epoch's loss and the weights must be the
-        # uninterrupted run's. (The interrupted epoch's mean covers only the resumed steps.)
+        # then a new job's model resumes: every epoch's loss and metrics (the interrupted
+        # one's too: the backup holds its metric state) and the weights must be the
+        # uninterrupted run's.
         backup = callbacks.BackupAndRestore(os.path.join(files, "backup"), save_freq=1)
         try:
             model.fit(*args, **{**kwargs, "callbacks": [backup, _interrupt_at(1)]})
@@ -525,8 +526,6 @@ def run(model, case, merged, *, files, rebuild, respawn=None):
     _compile(model, case)
     args, kwargs = _fit_arguments(case, x, y)
     model, merged, history = _train(model, merged, case, args, kwargs, files, respawn)
-    if case.feature == "backup_resume":
-        history = {k: v[-1:] for k, v in history.items()}
     out = {f"history.{k}": np.asarray(v) for k, v in sorted(history.items()) if k != "learning_rate"}
     out["weights"] = [np.asarray(w) for w in merged().get_weights()]
     xv, yv = make_data(case.layer, BATCH, seed=3)

@@ -149,6 +149,63 @@ def test_resumes_exactly_under_mirrored(tmp_path, reference):
     assert max_diff(resumed, ref) <= 1e-6
 
 
+def job_history(epoch_logs):
+    """`{key: [value per epoch]}` of a job's attempts (a later attempt's epoch replaces an earlier one's)."""
+    by_epoch = dict(epoch_logs)
+    return {k: [by_epoch[e][k] for e in sorted(by_epoch)] for k in by_epoch[min(by_epoch)]}
+
+
+# Keras resets the metrics as each epoch begins: a resumed epoch used to log the mean of
+# only the steps run after the restart (loss, mae), unlike the uninterrupted run.
+# Unscoped: compiled outside any strategy scope, Keras builds `mae` only at the first step.
+@pytest.mark.parametrize(
+    "strategy, scoped, fail_step, at",
+    [("one_device", True, 22, 20), ("mirrored", True, 27, 25), ("one_device", False, 22, 20)],
+    ids=["one_device", "mirrored", "unscoped"],
+)
+def test_resumed_epoch_logs_the_metrics_of_all_its_steps(tmp_path, strategy, scoped, fail_step, at):
+    kwargs = {"strategy": strategy, "metrics": ["mae"], "scoped": scoped}
+    ref_logs, job_logs = [], []
+    ref = workers.train(str(tmp_path / "ref"), epoch_logs=ref_logs, **kwargs)
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        fail = {"step": fail_step, "mode": "raise"}
+        workers.train(str(tmp_path / "b"), fail=fail, epoch_logs=job_logs, **kwargs)
+    assert [e for e, _ in job_logs] == [0]
+    resumed = workers.train(str(tmp_path / "b"), epoch_logs=job_logs, **kwargs)
+    assert (resumed["restored"]["global_step"], resumed["restored"]["step"]) == (at, at - 16)
+    expected, got = job_history(ref_logs), job_history(job_logs)
+    assert sorted(got) == sorted(expected) == ["loss", "mae"]
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=0, atol=1e-6, err_msg=key)
+    assert max_diff(resumed, ref) <= 1e-6
+
+
+def test_backup_without_metric_state_resumes_as_before(tmp_path, reference):
+    """A backup made before the metric state was saved (format 3) still restores the rest."""
+
+    class MetriclessBackup(tfscale.callbacks.BackupAndRestore):
+        def _saved_variables(self):
+            model_vars, opt_vars = self._variables()
+            return model_vars + opt_vars
+
+        def _meta(self, at_epoch_end):
+            meta = super()._meta(at_epoch_end)
+            del meta["metric_variables"]
+            return meta
+
+    backup_dir = str(tmp_path / "b")
+    with mock.patch.object(_backup_store, "FORMAT_VERSION", 3):
+        with pytest.raises(tfscale.callbacks.InjectedFault):
+            workers.train(backup_dir, fail={"step": 22, "mode": "raise"}, callback_class=MetriclessBackup)
+    with open(os.path.join(backup_dir, "ckpt-000000000020", "manifest.json")) as f:
+        assert json.load(f)["format"] == 3
+    resumed = workers.train(backup_dir)
+    assert resumed["restored"]["global_step"] == 20
+    assert "metric_variables" not in resumed["restored"]
+    assert resumed["steps_run"] == TOTAL_STEPS - 20
+    assert max_diff(resumed, reference()) <= 1e-6
+
+
 def test_stock_keras_callback_reruns_the_epoch_and_diverges(tmp_path, reference):
     """The problem this callback fixes, shown: Keras 3's own restarts the epoch."""
     ref = reference()
@@ -458,6 +515,9 @@ def test_multi_worker_kill_one_worker_restart_all_resumes_exactly(tmp_path, clus
     for r, reference_run in zip(resumed, ref):
         assert r.value["steps_run"] == TOTAL_STEPS - 10
         assert max_diff(r.value, reference_run.value) <= 1e-6
+        # Resumed in epoch 0: every epoch's loss, the interrupted one's included (sync-on-read).
+        expected = reference_run.value["history"]["loss"]
+        np.testing.assert_allclose(r.value["history"]["loss"], expected, rtol=0, atol=1e-6)
     assert not os.path.exists(backup_dir)  # deleted by the chief after success
 
 

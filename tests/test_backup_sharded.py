@@ -94,7 +94,8 @@ def test_pipelined_model_is_backed_up_one_shard_per_device_and_resumes_exactly(
     assert step == 8 if not async_save else FAIL_STEP - SAVE_FREQ <= step <= FAIL_STEP
     shards = _manifest(backup_dir / newest)["shards"]
     model = _built(_pipelined_model())
-    variables = model.variables + model.optimizer.variables
+    # What a backup holds, in order: the model's, the optimizer's and the metrics' variables.
+    variables = model.variables + model.optimizer.variables + model.metrics_variables
     devices = {v.value.device for v in variables}
     assert len(devices) == 2 and [s["kind"] for s in shards] == ["npz", "npz"]
     assert {s["device"] for s in shards} == devices
@@ -218,6 +219,7 @@ def test_backup_of_an_unknown_format_is_refused_with_what_to_do(tmp_path):
     store.write(4, {"step": 4}, [_backup_store.NpzShard("/cpu:0", [0], [np.zeros(3)])])
     manifest_path = tmp_path / "ckpt-000000000004" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest_path.write_text(json.dumps({**manifest, "format": 4, "parts": manifest.pop("shards")}))
-    with pytest.raises(_backup_store.UnusableBackupError, match=r"format 4, .*made by a newer tfscale"):
+    newer = _backup_store.FORMAT_VERSION + 1
+    manifest_path.write_text(json.dumps({**manifest, "format": newer, "parts": manifest.pop("shards")}))
+    with pytest.raises(_backup_store.UnusableBackupError, match=rf"format {newer}, .*by a newer tfscale"):
         store.load("ckpt-000000000004")

@@ -2,6 +2,8 @@
 
 - `keras_fit_position`: Keras 3 has no mid-epoch resume; the private `fit` internals
   used for it must still mean what the resume logic assumes.
+- `keras_metrics_build`: a model compiled outside any strategy scope has no compiled-metric
+  state before its first step; the private build must still create it, and change nothing else.
 - `tf_preemption_threads`: TensorFlow's `PreemptionCheckpointHandler` has no public way
   to stop its watcher threads; the private stoppers must still stop them.
 """
@@ -19,7 +21,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tfscale.compat import keras_fit_position, tf_preemption_threads
+from tfscale.compat import keras_fit_position, keras_metrics_build, tf_preemption_threads
 from tfscale.strategies import get
 
 
@@ -100,7 +102,27 @@ def test_stop_watcher_threads_is_a_no_op_without_the_private_methods():
     assert tf_preemption_threads.stop_watcher_threads(object()) is False
 
 
-@pytest.mark.parametrize("module", [keras_fit_position, tf_preemption_threads])
+def test_unscoped_compiled_metrics_are_built_from_an_element_spec_alone():
+    keras.utils.set_random_seed(0)
+    model = workers.build_model(workers._no_scope(), metrics=["mae"])
+    ref = workers.build_model(workers._no_scope(), metrics=["mae"])
+    assert len(model.metrics_variables) == 2  # the loss tracker's only: Keras defers `mae`
+    spec = (tf.TensorSpec((None, workers.FEATURES)), tf.TensorSpec((None, 1)))
+    assert keras_metrics_build.build_compiled_metrics(model, spec)
+    assert len(model.metrics_variables) == 4  # + mae's total and count
+    assert keras_metrics_build.build_compiled_metrics(model, None)  # built: nothing to do
+    data = workers.make_data("array", 8)
+    got, expected = (m.fit(**data, epochs=1, verbose=0).history for m in (model, ref))
+    assert got == expected
+    assert all((a == b).all() for a, b in zip(model.get_weights(), ref.get_weights()))
+
+
+def test_metrics_build_gate_refuses_a_model_without_the_internals():
+    assert not keras_metrics_build.supported(object())
+    assert keras_metrics_build.build_compiled_metrics(object(), None) is False
+
+
+@pytest.mark.parametrize("module", [keras_fit_position, keras_metrics_build, tf_preemption_threads])
 def test_every_shim_names_its_versions_and_gate(module):
     assert "Checked on" in module.__doc__ and "Gate:" in module.__doc__
 

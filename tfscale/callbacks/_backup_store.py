@@ -47,8 +47,10 @@ __all__ = ["LOCK_NAME", "BackupStore", "LoadedBackup", "NpzShard", "UnusableBack
 
 _log = logging.getLogger("tfscale")
 
-FORMAT_VERSION = 3  # 1: one state.npz; 2: shards listed in the manifest; 3: + its sha256
-_READABLE_FORMATS = (1, 2, 3)
+# 1: one state.npz; 2: shards listed in the manifest; 3: + its sha256; 4: + the metric
+# state (meta `metric_variables`: an older tfscale must refuse it as newer, not as torn).
+FORMAT_VERSION = 4
+_READABLE_FORMATS = (1, 2, 3, 4)
 MANIFEST_LIMIT = 256 << 20  # bytes: ~100 per variable, so millions of variables fit
 _PREFIX = "ckpt-"
 _TMP_PREFIX = ".tmp-"

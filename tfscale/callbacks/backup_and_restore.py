@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tfscale import _task_protocol
 from tfscale._save_policy import SavePolicy
-from tfscale.callbacks import _backup_cluster, _backup_placed
+from tfscale.callbacks import _backup_cluster, _backup_metrics, _backup_placed
 from tfscale.callbacks._backup_lock import DirectoryLock, LockHeldError
 from tfscale.callbacks._backup_preemption import RESTART_EXIT_CODE, PreemptionWatch
 from tfscale.callbacks._backup_store import BackupStore, NpzShard, UnusableBackupError
@@ -169,7 +169,9 @@ def _check_consistent(backup):
     if not (meta.get("optimizer") is None or isinstance(meta.get("optimizer"), str)):
         raise torn("has no valid optimizer name")
     signature = []
-    for key in ("model", "optimizer_variables"):
+    # `metric_variables`: since format 4 (a backup without it restores no metric state).
+    metrics = ("metric_variables",) if "metric_variables" in meta else ()
+    for key in ("model", "optimizer_variables", *metrics):
         if not _is_signature(meta.get(key)):
             raise torn(f"has no valid `{key}` list")
         signature += meta[key]
@@ -300,12 +302,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._writer = BackgroundWriter(self.backup_dir)
         self._read_key, self._read_fn = None, None
         self.restored_from = None  # meta of the backup the last `fit` resumed from
+        self._pending_metrics = None  # a mid-epoch backup's metric state, until its epoch begins
 
     # --- the training state ---------------------------------------------------------
 
     def _variables(self):
         optimizer = self.model.optimizer
         return list(self.model.variables), list(optimizer.variables) if optimizer is not None else []
+
+    def _saved_variables(self):
+        """Everything a backup holds, in order: the model's, the optimizer's, the metrics'."""
+        model_vars, opt_vars = self._variables()
+        return model_vars + opt_vars + _backup_metrics.metric_variables(self.model)
 
     def _ensure_built(self):
         if not self.model.built:
@@ -331,6 +339,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             "model": _signature(model_vars),
             "optimizer": type(self.model.optimizer).__name__ if self.model.optimizer else None,
             "optimizer_variables": _signature(opt_vars),
+            # The epoch's metric state so far: a mid-epoch resume puts it back (`_backup_metrics`).
+            "metric_variables": _signature(_backup_metrics.metric_variables(self.model)),
             "saved_by": self._task.task_label,
             "job_id": self.job_id,
             "time": time.time(),
@@ -361,8 +371,9 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _snapshot_function(self):
         """`(read_local, [(task, indices, serialize, dtypes)])`, traced once per set of variables."""
-        model_vars, opt_vars = self._variables()
-        variables = model_vars + opt_vars
+        variables = self._saved_variables()
+        # The key changes when Keras builds the compiled metrics at the first step (a
+        # model compiled outside any strategy scope): then this traces once more.
         key = tuple(id(v) for v in variables)
         if key != self._read_key:
             local, other = _group_by_device(variables)
@@ -540,7 +551,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "Expected `save_freq='epoch'` backups here."
             )
         model_vars, opt_vars = self._variables()
-        for v, value in zip(model_vars + opt_vars, backup.arrays, strict=True):
+        count = len(model_vars) + len(opt_vars)
+        for v, value in zip(model_vars + opt_vars, backup.arrays[:count], strict=True):
             v.assign(value)
         self._epoch, self._step, self._global_step = meta["epoch"], meta["step"], meta["global_step"]
         self._last_saved = self._global_step
@@ -549,6 +561,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             if self._tracker.resume(step=self._step, **position):
                 # Taken at the last step of its epoch: nothing of it is left to run.
                 self._epoch, self._step = self._epoch + 1, 0
+        if self._step and "metric_variables" in meta:
+            # Mid-epoch: Keras resets the metrics as the resumed epoch begins; they are
+            # put back after that (`on_epoch_begin`). Older backups hold none: as before.
+            self._pending_metrics = _backup_metrics.PendingMetrics(
+                self._epoch, meta["metric_variables"], backup.arrays[count:], _structural_name
+            )
         keras_fit_position.set_initial_epoch(self.model, self._epoch)
         self.restored_from = meta
         _log.info(
@@ -628,6 +646,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         self._epoch, self._step, self._global_step, self._last_saved = 0, 0, 0, None
         self.restored_from = None
+        self._pending_metrics = None
         self._ensure_built()
         # A `fit` that raised may have left a write in flight (this callback's or
         # another one's on the same directory): look for backups only once it is done.
@@ -674,6 +693,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if epoch != self._epoch:
             self._epoch, self._step = epoch, 0
+        # `fit` has just reset the metrics (`reset_metrics` runs before `on_epoch_begin`).
+        pending = self._pending_metrics
+        if pending is not None and pending.restore(self.model, epoch, self._tracker.element_spec()):
+            self._pending_metrics = None
 
     def on_train_batch_begin(self, batch, logs=None):
         self._begin = batch

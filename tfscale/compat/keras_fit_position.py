@@ -115,6 +115,11 @@ class InputTracker:
     def steps_per_execution(self):
         return self._it.steps_per_execution
 
+    def element_spec(self):
+        """The spec of one batch of the current input iterator, or None if there is none."""
+        it = self._it
+        return getattr(getattr(it, "_current_iterator", None), "element_spec", None)
+
     def position(self, *, at_epoch_end):
         """`(iterators_made, live, batches_taken)` to store in a backup.
 

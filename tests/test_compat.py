@@ -10,8 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 import types
 from unittest import mock
 
@@ -400,8 +398,7 @@ def test_a_strategy_fits_first_iterator_is_parked_freed_at_a_later_fit_and_train
     del new
     with mock.patch.object(keras_symbolic_build, "_IDLE_AFTER", 0.0):  # idle at once, for the test
         model.fit(x, y, batch_size=4, epochs=2, verbose=0)
-    assert keras_symbolic_build.wait_released(120), keras_symbolic_build.reaper_report()
-    assert first() is None  # handed to the reaper when the next fit started, and freed there
+    assert first() is None  # freed when the next fit started, by reference counting
     patched = model.get_weights()
 
     unpatched = build()
@@ -417,67 +414,6 @@ def test_a_strategy_fits_first_iterator_is_parked_freed_at_a_later_fit_and_train
         del before
     for a, b in zip(patched, unpatched.get_weights()):
         np.testing.assert_array_equal(a, b)
-
-
-def test_parked_iterators_are_freed_by_the_reaper_not_in_the_users_fit():
-    """A parked iterator's teardown can wait about a second on TensorFlow's background threads;
-    the fit that releases it hands it to the reaper thread and goes on at once."""
-    from tfscale.compat import keras_symbolic_build
-
-    freed = []
-
-    class SlowToFree:  # tears down like a MultiDeviceIterator on a busy machine
-        def __del__(self):
-            time.sleep(2.0)
-            freed.append(threading.current_thread().name)
-
-    with keras_symbolic_build._lock:
-        keras_symbolic_build._PARKED.append((time.monotonic() - 60.0, SlowToFree(), "the test"))
-    start = time.monotonic()
-    keras_symbolic_build._release_parked()  # what the start of a strategy fit calls
-    assert time.monotonic() - start < 1.0
-    assert keras_symbolic_build.wait_released(30), keras_symbolic_build.reaper_report()
-    assert freed == ["tfscale-iterator-reaper"]
-
-
-def test_a_stuck_teardown_is_left_to_its_thread_and_a_new_reaper_frees_the_rest():
-    """TensorFlow's teardown cannot be interrupted: one that never comes back must not hold up
-    the iterators behind it, nor any wait (at exit, the test's own)."""
-    from tfscale.compat import keras_symbolic_build
-
-    freed, release = [], threading.Event()
-
-    class Stuck:
-        def __del__(self):
-            release.wait(60.0)
-            freed.append("stuck")
-
-    class Quick:
-        def __del__(self):
-            freed.append("quick")
-
-    old = time.monotonic() - 60.0
-    with mock.patch.object(keras_symbolic_build, "_STUCK_AFTER", 1.0):
-        assert keras_symbolic_build.wait_released(60), keras_symbolic_build.reaper_report()
-        before = len(keras_symbolic_build.abandoned_teardowns())
-        with keras_symbolic_build._lock:
-            keras_symbolic_build._PARKED.extend([(old, Stuck(), "a stuck test"), (old, Quick(), "the test")])
-        start = time.monotonic()
-        keras_symbolic_build._release_parked()
-        assert keras_symbolic_build.wait_released(30), keras_symbolic_build.reaper_report()
-        waited = time.monotonic() - start
-    abandoned = keras_symbolic_build.abandoned_teardowns()[before:]
-    assert freed == ["quick"] and 1.0 <= waited < 10.0, (freed, waited)
-    assert len(abandoned) == 1 and "parked by a stuck test" in abandoned[0], abandoned
-    reapers = len(keras_symbolic_build._reapers)
-    release.set()  # it comes back after all: its thread ends, the new reaper stays
-    deadline = time.monotonic() + 30
-    while len(keras_symbolic_build._reapers) == reapers and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert freed == ["quick", "stuck"] and len(keras_symbolic_build._reapers) == reapers - 1
-    assert keras_symbolic_build._reapers[-1].is_alive()
-    with keras_symbolic_build._lock:  # the test's own: not one for the run's summary (conftest.py)
-        keras_symbolic_build._ABANDONED.remove(abandoned[0])
 
 
 class _CollectionCounter:
@@ -573,8 +509,7 @@ def test_a_fit_that_raises_parks_its_live_iterators_and_leaves_no_cycle_for_the_
     del live
     with mock.patch.object(keras_symbolic_build, "_IDLE_AFTER", 0.0):  # idle at once, for the test
         model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    assert keras_symbolic_build.wait_released(120), keras_symbolic_build.reaper_report()
-    assert [ref() for ref in parked] == [None] * len(parked)  # freed after the next fit started
+    assert [ref() for ref in parked] == [None] * len(parked)  # freed when the next fit started
     assert all(ref() is None for ref in stop.epoch_iterators)
 
 

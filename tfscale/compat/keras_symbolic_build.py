@@ -18,12 +18,11 @@ as below, 0 of 2 x 2,000 (beside a full pytest run). In this suite it killed an 
 worker in 2 of the last 3 full runs (tests/test_hostile_backup.py, 53 such fits in a test).
 
 `keep_first_input_iterator()` parks that iterator in a module list instead, and the
-start of a later `fit` under a strategy hands the ones parked at least a second before
-(their buffers long full, their background threads waiting) to one reaper thread that
-frees them: a teardown can wait about a second for TensorFlow's background threads, and
-the user's `fit` does not wait with it (`wait_released()`; at exit, up to 30 s). A teardown that
-runs past 30 s (seen once in CI: it never came back, and every later one queued behind it)
-is left to its thread and a fresh reaper frees the rest (`abandoned_teardowns()`). Never in a garbage
+start of a later `fit` under a strategy frees the ones parked at least a second before
+(their buffers long full, their background threads waiting), in that fit's thread: a
+teardown can wait about a second for TensorFlow's background threads, and that wait keeps
+the parked iterators from piling up (`_release_parked`: a reaper thread that freed them
+while the fits went on fell behind in CI, by 60 iterators and 1,600 threads). Never in a garbage
 collection: kept per model, a model in a reference cycle took its iterator into one, and
 the teardown then stalled that collection for seconds (tests/_gc_probe.py). A parked
 iterator is never read again; the batches `fit` trains on come from the iterators Keras
@@ -49,7 +48,6 @@ exist (checked on Keras 3.15.1 only).
 FIXED_IN: none as of TF 2.21 / Keras 3.15.
 """
 
-import atexit
 import functools
 import threading
 import time
@@ -58,12 +56,9 @@ import weakref
 __all__ = [
     "CHECKED_ON",
     "FIXED_IN",
-    "abandoned_teardowns",
     "keep_first_input_iterator",
     "park_interrupted_inputs",
     "parked_iterators",
-    "reaper_report",
-    "wait_released",
 ]
 
 CHECKED_ON = ("3.15", "3.15")
@@ -71,14 +66,6 @@ FIXED_IN = None
 _PARKED = []  # (when, iterator): live iterators Keras let go of, freed at a later strategy `fit`
 _IDLE_AFTER = 1.0  # seconds parked before an iterator is freed: its buffers are full by then
 _lock = threading.Lock()
-_released = threading.Condition(_lock)  # guards _TO_FREE; notified as the reaper empties it
-_TO_FREE = []  # idle entries (when, iterator, who) the reaper frees, oldest first
-_reapers = []  # reaper threads started (one at work; more only after a stuck teardown)
-_tearing_down = {}  # reaper thread ident -> (since, what): the teardown it runs now
-_STUCK_AFTER = 30.0  # seconds in one teardown before its reaper is given up on
-_abandoned_threads = set()  # idents of reapers left in a stuck teardown
-_ABANDONED = []  # one line per abandoned teardown
-_EXIT_WAIT = 30.0  # seconds, at interpreter exit, for the reaper to finish freeing
 _fits = threading.local()  # .made: per running fit (innermost last), weak refs to its epoch iterators
 
 
@@ -123,114 +110,22 @@ def parked_iterators():
         return [entry[1] for entry in _PARKED]
 
 
-def wait_released(timeout):
-    """True once every iterator handed to the reaper is freed; False if `timeout` s pass first.
-
-    A teardown stuck past _STUCK_AFTER seconds is left to its thread and not waited for
-    (`abandoned_teardowns()`); a fresh reaper frees the rest.
-    """
-    deadline = time.monotonic() + timeout
-    with _released:
-        while True:
-            _replace_stuck_reaper()
-            if not _TO_FREE and not _live_teardowns():
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            _released.wait(min(left, 1.0))
-
-
-def abandoned_teardowns():
-    """One line per teardown that ran past _STUCK_AFTER seconds and was left to its thread."""
-    with _lock:
-        return list(_ABANDONED)
-
-
-def reaper_report():
-    """What the reaper threads are doing now, with their Python stacks (for a failed wait)."""
-    import sys
-    import traceback
-
-    frames = sys._current_frames()
-    now = time.monotonic()
-    with _lock:
-        lines = [f"{len(_TO_FREE)} iterator(s) waiting to be freed; abandoned: {_ABANDONED or 'none'}"]
-        for thread in _reapers:
-            state = _tearing_down.get(thread.ident)
-            doing = f"tearing down {state[1]} for {now - state[0]:.1f} s" if state else "idle"
-            lines.append(f"{thread.name} (alive={thread.is_alive()}): {doing}")
-            if thread.ident in frames:
-                lines.extend(line.rstrip() for line in traceback.format_stack(frames[thread.ident]))
-    return "\n".join(lines)
-
-
 def _release_parked():
-    """Hands the iterators parked at least _IDLE_AFTER seconds ago to the reaper thread.
+    """Frees the iterators parked at least _IDLE_AFTER seconds ago. Called at the start of a fit.
 
-    Called at the start of a fit. Freeing is not done here: TensorFlow's `MultiDeviceIterator`
-    teardown waits for its background threads, about a second per iterator now and then
-    (measured: fits under a 2-replica MirroredStrategy on an idle 2-core machine, 0.8-3.6 s
-    in this call in 4 of 24 calls), and the user's next `fit` would wait with it.
+    Freed here, in the caller's thread, one fit's worth at a time: a teardown can wait about
+    a second for TensorFlow's background threads (measured: fits under a 2-replica
+    MirroredStrategy on an idle 2-core machine, 0.8-3.6 s in this call in 4 of 24 calls),
+    and that wait is what keeps the parked iterators from piling up. Handed to a reaper
+    thread instead (stop 39), the fits went on while the teardowns ran one by one; in a full
+    test run the fits parked faster than the reaper freed, 60 iterators queued, the worker
+    grew to 1,638 threads (tf.data's, gdb), and each teardown then took over 30 s.
     """
     now = time.monotonic()
     with _lock:
-        _replace_stuck_reaper()
         idle = [entry for entry in _PARKED if now - entry[0] >= _IDLE_AFTER]
-        if not idle:
-            return
         _PARKED[:] = [entry for entry in _PARKED if now - entry[0] < _IDLE_AFTER]
-        _TO_FREE.extend(idle)
-        del idle  # the reaper holds the last reference
-        if not _reapers:
-            _start_reaper()
-            atexit.register(wait_released, _EXIT_WAIT)  # not torn down mid-free at exit
-        _released.notify_all()
-
-
-def _start_reaper():
-    thread = threading.Thread(target=_reap, name="tfscale-iterator-reaper", daemon=True)
-    _reapers.append(thread)
-    thread.start()
-
-
-def _live_teardowns():
-    return [ident for ident in _tearing_down if ident not in _abandoned_threads]
-
-
-def _replace_stuck_reaper():
-    """Under _lock: a teardown running past _STUCK_AFTER s is abandoned to its thread; a new reaper goes on.
-
-    TensorFlow's teardown cannot be interrupted; seen once in CI, a reaper never came back
-    from one, and every later iterator (and every wait) queued behind it.
-    """
-    now = time.monotonic()
-    for ident, (since, what) in list(_tearing_down.items()):
-        if ident in _abandoned_threads or now - since < _STUCK_AFTER:
-            continue
-        _abandoned_threads.add(ident)
-        _ABANDONED.append(f"{what}: teardown still running after {now - since:.0f} s, left to its thread")
-        _start_reaper()
-
-
-def _reap():
-    """A reaper thread: frees handed-over iterators, outside the lock, one at a time."""
-    ident = threading.get_ident()
-    while True:
-        with _released:
-            _released.wait_for(lambda: _TO_FREE or ident in _abandoned_threads)
-            if ident in _abandoned_threads:
-                return
-            entry = _TO_FREE.pop(0)
-            _tearing_down[ident] = (time.monotonic(), f"{type(entry[1]).__name__} parked by {entry[2]}")
-        entry = None  # the iterator's teardown runs (and waits) here
-        with _released:
-            del _tearing_down[ident]
-            if ident in _abandoned_threads:  # came back after all; a newer reaper has the queue
-                _reapers[:] = [t for t in _reapers if t.ident != ident]
-                _released.notify_all()
-                return
-            _released.notify_all()
+    del idle  # the last references: the teardowns run here, outside the lock
 
 
 def _kept(original):

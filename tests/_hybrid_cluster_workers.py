@@ -209,9 +209,11 @@ def _backup_and_resume(strategy, hidden, batch, workdir):
         pass
     with open(os.path.join(backup_dir, "ckpt-000000000003", "manifest.json")) as f:
         manifest = json.load(f)
-    # The backup's variable list: the model's variables, then the optimizer's.
-    names = [path for path, _, _ in manifest["meta"]["model"] + manifest["meta"]["optimizer_variables"]]
+    # The backup's variable list: the model's variables, the optimizer's, then the metrics'.
+    meta = manifest["meta"]
+    names = [path for path, _, _ in meta["model"] + meta["optimizer_variables"] + meta["metric_variables"]]
     state = list(interrupted.variables) + list(interrupted.optimizer.variables)
+    state += list(interrupted.metrics_variables)
     callback = tfscale.callbacks.BackupAndRestore(backup_dir, save_freq=1)
     resumed = compile_(strategy.split(model(hidden)))
     train(resumed, batch=batch, callbacks=[callback])

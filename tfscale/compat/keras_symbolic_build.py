@@ -107,7 +107,7 @@ def park_interrupted_inputs():
 def parked_iterators():
     """The iterators parked now (tests)."""
     with _lock:
-        return [entry[1] for entry in _PARKED]
+        return [iterator for _, iterator in _PARKED]
 
 
 def _release_parked():
@@ -135,7 +135,7 @@ def _kept(original):
         current = getattr(iterator, "_current_iterator", None)
         if current is not None and _replayable(iterator):
             with _lock:
-                _PARKED.append((time.monotonic(), current, f"model {self.name!r}'s first batch"))
+                _PARKED.append((time.monotonic(), current))  # Keras's reset() drops it next
         return result
 
     _maybe_symbolic_build._tfscale_kept = True
@@ -183,7 +183,7 @@ def _park_inputs(refs):
         current = getattr(epoch_iterator, "_current_iterator", None)
         if current is not None:
             with _lock:
-                _PARKED.append((time.monotonic(), current, "a fit that raised"))
+                _PARKED.append((time.monotonic(), current))
             epoch_iterator._current_iterator = None
         epoch_iterator._epoch_iterator = None  # the generator whose frame holds epoch_iterator
 

@@ -84,7 +84,7 @@ class DirectoryLock:
                 except BlockingIOError:
                     raise LockHeldError(_describe(self.path)) from None
                 except OSError as e:  # no locks on this file system
-                    _log.warning("tfscale: cannot lock %s (%s); running without the lock", self.path, e)
+                    _log.warning("tfscale: cannot lock %s (%s); running without the lock", self.path, str(e))
                 info = {"pid": os.getpid(), "host": socket.gethostname(), "job_id": self.job_id,
                         "since": time.time()}  # fmt: skip
                 os.ftruncate(fd, 0)

@@ -450,7 +450,7 @@ class BackupStore:
                     _log.warning(
                         "tfscale: backup %s is unusable (%s); falling back to the previous backup",
                         os.path.join(self.directory, name),
-                        e,
+                        str(e),  # not `e`: its traceback keeps frames (tests/test_log_records.py)
                     )
                 continue
             if rejected:

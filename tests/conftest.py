@@ -13,8 +13,9 @@ Tiers (the `slow` marker, pyproject.toml):
 - full, `pytest` (README's command; `.ci/run` runs it): the fast tier plus every test
   marked `slow` -- more clusters, more kill points, the launcher and elastic variants,
   the hostile and chaos cases. Mark a new test `slow` when it starts TensorFlow
-  subprocesses or takes more than a few seconds, and keep a quick representative of it
-  in the fast tier (for a parametrized test: `FAST_REPRESENTATIVES` in its module, below).
+  subprocesses or takes more than about 5 s, and keep a quick representative of its path
+  in the fast tier (for a parametrized test: `FAST_REPRESENTATIVES` in its module, below);
+  a `slow` mark on a test that is over that says which fast test stands for it.
 
 Two workers (pytest-xdist, README's command `pytest -n 2`): the tests are single-threaded
 enough that a 2-core machine runs two at once. A module's tests stay in one worker

@@ -46,6 +46,7 @@ def _record_each_step(backup_dir):
     ],
     ids=["overlapping", "slower-than-save_freq"],
 )
+@pytest.mark.slow  # 17 s; fast tier: the raise-mid-write and early-snapshot resumes below write async too
 def test_writes_off_the_training_thread_from_a_copy_and_never_more_than_save_freq_steps_at_risk(
     tmp_path, write_seconds, step_seconds, save_freq
 ):
@@ -126,6 +127,7 @@ def test_fit_that_raises_mid_write_publishes_it_and_next_fit_resumes_from_it(tmp
     assert max_diff(resumed, reference()) <= 1e-6
 
 
+@pytest.mark.slow  # 13 s; fast tier: test_backup_and_restore's SIGTERM tests
 def test_sigterm_backup_is_written_before_exit_even_with_a_write_in_flight(tmp_path, reference):
     import signal
 

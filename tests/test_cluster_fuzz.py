@@ -104,6 +104,7 @@ def clusters(draw):
 
 @settings(max_examples=500, deadline=None)
 @given(clusters(), st.data())
+@pytest.mark.slow  # 28 s (500 examples); fast tier: test_cluster's cases
 def test_round_trip_every_task_agrees_on_the_cluster(cluster, data):
     spec = ClusterSpec(cluster)
     assert spec.task_count == sum(len(a) for a in cluster.values())

@@ -46,6 +46,7 @@ def test_apply_is_a_no_op_where_upstream_is_fixed():
     assert (trainer.TensorFlowTrainer._maybe_symbolic_build, trainer.reduce_per_replica) == before
 
 
+@pytest.mark.slow  # 23 s; fast tier: test_strategies' mirrored vs one device
 def test_fixed_keras_still_matches_one_device_under_mirrored():
     """The patched functions must not change single-host results."""
     reference = workers.train_and_report(get("one_device", device="/cpu:0"))
@@ -176,6 +177,7 @@ def test_apply_strategy_fixes_puts_every_data_parallel_fix_in_effect():
     assert build.__wrapped__.__module__ == "tfscale.compat.keras_multi_worker"
 
 
+@pytest.mark.slow  # 23 s, three mirrored runs; fast tier: the mirrored run above
 def test_hand_built_and_tfscale_mirrored_strategies_coexist_in_one_process():
     """Without fresh collective keys the second strategy aborts ("joining a group with size 4").
 

@@ -20,9 +20,9 @@ from tfscale.strategies import get
 # The fast tier keeps the first N cases of these parametrized tests; the rest run in the
 # full suite only (conftest.py, `FAST_REPRESENTATIVES`).
 FAST_REPRESENTATIVES = {
-    "test_mirrored_matches_one_device": 2,
+    "test_mirrored_matches_one_device": 1,
     "test_mixed_float16_loss_scaling_matches_one_device": 1,
-    "test_mirrored_nadam_matches_one_device": 1,
+    "test_mirrored_nadam_matches_one_device": 0,  # 12 s; Nadam under mirrored: test_equivalence
 }
 
 

@@ -37,6 +37,7 @@ def test_the_private_reader_still_finds_tensorflows_protobuf():
     assert profiler_xplane.available()
 
 
+@pytest.mark.slow  # 26 s; fast tier: the step-time breakdown test here
 def test_accumulation_launches_once_per_k_micro_steps(tmp_path):
     every_step = _profiled_launches(tmp_path / "k1", {})
     every_fourth = _profiled_launches(tmp_path / "k4", {"gradient_accumulation_steps": 4})

@@ -93,6 +93,7 @@ def _collected(*args):
     return [line for line in out.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.slow  # 12 s, two collections
 def test_fast_representatives_keep_the_first_n_cases_in_the_fast_tier_and_all_in_the_full_run():
     # tests/test_zero.py keeps 3 cases of its optimizer-option comparison in the fast tier.
     name = "tests/test_zero.py::test_zero_trains_to_one_device_and_stage_0_weights"

@@ -48,7 +48,7 @@ def test_cpu_replicas_places_one_replica_per_logical_cpu():
     assert [(d.device_type, d.device_index) for d in devices] == [("CPU", i) for i in range(4)]
 
 
-@pytest.mark.parametrize("cpu_replicas", [2, 4])
+@pytest.mark.parametrize("cpu_replicas", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_mirrored_on_cpu_replicas_matches_one_device(one_device_run, cpu_replicas):
     run = workers.train_and_report(get("mirrored", cpu_replicas=cpu_replicas))
     assert run["replicas"] == cpu_replicas

@@ -101,6 +101,7 @@ def test_mirrored_matches_one_device_with_the_same_global_batch(one_device, data
     _assert_same_metrics(json.loads(result.to_json()), one_device)
 
 
+@pytest.mark.slow  # 11 s, two binary runs; fast tier: test_communication's compressed training
 def test_gradient_compression_flag_trains_within_one_percent_of_uncompressed(one_device, data_dir):
     args = ("--strategy=mirrored", "--cpu_replicas=2", "--gradient_compression=fp16", "--bytes_per_pack=4096")
     proc = _train_cli(*QUICK, *args, f"--data_dir={data_dir}")
@@ -257,6 +258,7 @@ def test_a_fully_torn_backup_dir_ends_the_binary_with_one_line_not_a_traceback(d
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # 14 s; fast tier: test_linear_scaling_with_warmup_reaches_lr_times_replicas
 def test_learning_rate_warmup_follows_the_linear_scaling_rule():
     warmup = LearningRateWarmup(0.1, warmup_epochs=1, steps_per_epoch=4, scale=2)
     seen = []

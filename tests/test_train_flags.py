@@ -61,6 +61,7 @@ def _dtype_policies(config):
     return {d["config"]["name"] for d in dtypes if isinstance(d, dict)}
 
 
+@pytest.mark.slow  # 8 s; fast tier: the flagfile and quickstart runs here
 def test_performance_and_training_flags_on_one_device(data_dir, tmp_path):
     model_dir = tmp_path / "out"
     proc = _run(
@@ -85,6 +86,7 @@ def test_performance_and_training_flags_on_one_device(data_dir, tmp_path):
     assert _dtype_policies(config) == {"mixed_bfloat16", "float32"}  # float32: the logits
 
 
+@pytest.mark.slow  # 27 s; fast tier: test_train's mirrored run of the binary
 def test_strategy_flags_and_the_transformer_on_two_replicas(data_dir, tmp_path):
     model_dir = tmp_path / "out"
     proc = _run(

@@ -53,6 +53,8 @@ def test_flags_become_the_strategy_options():
     }
 
 
+# 70 s; the fast tier keeps the dp2 x pp2 losses test here and test_backup_and_restore's kill/SIGTERM resumes
+@pytest.mark.slow
 def test_pipeline_dp2_x_pp2_killed_and_resumed_equals_one_device(one_device, data_dir, tmp_path):
     reference, reference_dir = one_device
     backup, model_dir = str(tmp_path / "backup"), str(tmp_path / "out")

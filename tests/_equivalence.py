@@ -548,6 +548,9 @@ def run(model, case, merged, *, files, rebuild, respawn=None):
     if case.feature == "save_load_model":  # the whole model: architecture, weights, optimizer
         path = os.path.join(files, "trained.keras")
         model.save(path)
+        # Keras saves no seed-generator state: a loaded Dropout draws from a fresh seed taken
+        # from the global RNG, which a mode that built more models has moved further.
+        keras.utils.set_random_seed(SEED)
         loaded = keras.models.load_model(path, custom_objects={c.__name__: c for c in _custom_layers()})
         out["loaded.weights"] = [np.asarray(w) for w in loaded.get_weights()]
         out["loaded.predict"] = loaded.predict(xv, batch_size=BATCH, verbose=0)

@@ -281,6 +281,21 @@ def slice_sizes(n, count):
     return [(n + count - 1 - i) // count for i in range(count)]
 
 
+# (index, count) while the forward of a pipeline's micro-batch is traced (`in_microbatch`).
+_MICROBATCH = []
+
+
+@contextlib.contextmanager
+def in_microbatch(index, count):
+    """While the forward of micro-batch `index` of `count` (of one copy's rows) is traced:
+    random layers made to draw as one device (`draw_as_whole_batch`) take its rows."""
+    _MICROBATCH.append((index, count))
+    try:
+        yield
+    finally:
+        _MICROBATCH.pop()
+
+
 def draw_as_whole_batch(holders, index, count):
     """Makes replica `index` of `count` draw its random layers' numbers as one device does.
 
@@ -289,22 +304,35 @@ def draw_as_whole_batch(holders, index, count):
     state as one device's, so in training each of its random layers is run on its rows
     placed in a batch of zeros of the whole batch's size, and keeps its rows of the output:
     the same numbers as one device, bit for bit, for D x the layer's (elementwise) work.
+    A pipeline runs each layer once per micro-batch (`in_microbatch`): micro-batch i takes
+    its rows of the replica's, and draws from the seed state micro-batch 0 drew from, so
+    the generator moves once per step, as on one device (M x the work again).
     """
     for layer in layer_tree(holders):
         if isinstance(layer, RANDOM_LAYERS) and not getattr(layer.call, _WHOLE_BATCH, False):
             _draw_as_whole_batch(layer, index, count)
 
 
+def _share(n, index, count):
+    """(offset, size) of slice `index` of `n` rows cut into `count` (`slice_sizes`)."""
+    offset = index * (n // count) + tf.minimum(index, n % count)
+    return offset, n // count + tf.cast(index < n % count, n.dtype)
+
+
 def _draw_as_whole_batch(layer, index, count):
     call = layer.call
+    first_seed = []  # the seed state micro-batch 0 of the step being traced drew from
 
     def whole_batch(inputs, training=False, **kwargs):
         if training is None or (isinstance(training, bool) and not training):
             return call(inputs, training=training, **kwargs)
         rows = tf.shape(inputs)[0]
         rest = tf.shape(inputs)[1:]
-        n = tf.cast(_BATCH_ROWS[-1], rows.dtype) if _BATCH_ROWS else count * rows
-        offset = index * (n // count) + tf.minimum(index, n % count)  # `slice_sizes` before it
+        micro, micros = _MICROBATCH[-1] if _MICROBATCH else (0, 1)
+        n = tf.cast(_BATCH_ROWS[-1], rows.dtype) if _BATCH_ROWS else count * micros * rows
+        offset, mine = _share(n, index, count)
+        offset += _share(mine, micro, micros)[0]
+        _same_seed_each_microbatch(layer, micro, first_seed)
         before = tf.zeros(tf.concat([[offset], rest], 0), inputs.dtype)
         after = tf.zeros(tf.concat([[n - offset - rows], rest], 0), inputs.dtype)
         outputs = call(tf.concat([before, inputs, after], 0), training=training, **kwargs)
@@ -315,6 +343,26 @@ def _draw_as_whole_batch(layer, index, count):
     setattr(whole_batch, _WHOLE_BATCH, True)
     # Layers track the attributes they are given; a bound method is not state, so bypass that.
     object.__setattr__(layer, "call", whole_batch)
+
+
+def _same_seed_each_microbatch(layer, micro, first_seed):
+    """Micro-batch 0 notes the seed state it draws from; a later one draws from it again.
+
+    Automatic control dependencies run the reads and assignments of the generator's state
+    in the order they are traced, and a pipeline traces a layer's micro-batches in order.
+    """
+    generator = getattr(layer, "seed_generator", None)  # Dropout(rate=0) has none
+    if generator is None:
+        return
+    if micro == 0:
+        first_seed[:] = [tf.identity(generator.state.value)]
+    elif not first_seed:
+        raise StrategyError(
+            f"Layer {layer.name!r} ran micro-batch {micro} before micro-batch 0 in one step; "
+            "its random numbers would differ from one device's (a tfscale bug: please report it)."
+        )
+    else:
+        generator.state.assign(first_seed[0])
 
 
 def _gather_sparse(index, gradients, devices, summed):

@@ -31,7 +31,7 @@ import keras
 import tensorflow as tf
 
 from tfscale.compat import tf_graph_edit
-from tfscale.strategies import _gradients
+from tfscale.strategies import _gradients, _replicas
 from tfscale.strategies._devices import device_type
 from tfscale.strategies._errors import StrategyError
 from tfscale.strategies.pipeline import schedules
@@ -195,7 +195,10 @@ class _Batch:
             x = self.done[Op(step.stage - 1, Kind.FORWARD, step.microbatch)]["y"]
         # W asks an eager tape a second time; in a graph it uses `tf.gradients` instead.
         persistent = self.split_weights and tf.executing_eagerly()
-        with tf.GradientTape(persistent=persistent) as tape:
+        with (
+            tf.GradientTape(persistent=persistent) as tape,
+            _replicas.in_microbatch(step.microbatch, len(self.inputs)),
+        ):
             if _differentiable(x):
                 tape.watch(x)
             outputs = stage.call_layers(x, training=True) if self.split_weights else None

@@ -82,13 +82,12 @@ class PipelineStrategy:
             (in order: replica r the r-th slice) and each stage's gradients are summed
             over the D copies by one all-reduce before the update (`strategies._replicas`).
             The batch size must then be a multiple of D x M.
-        microbatch_statistics: with M > 1, accept GPipe's semantics for layers that
-            depend on the whole batch in training: a trainable BatchNormalization
-            normalises each micro-batch by that micro-batch's mean and variance, and a
-            Dropout-like layer draws a new mask per micro-batch, so losses and weights
-            differ from one device's. False refuses such a model in `split`,
-            naming the layer: results are plain Keras's or refused, never silently
-            different. Irrelevant at M = 1.
+        microbatch_statistics: with M > 1, accept GPipe's semantics for a trainable
+            BatchNormalization: it normalises each micro-batch by that micro-batch's mean
+            and variance, so losses and weights differ from one device's. False refuses
+            such a model in `split`, naming the layer: results are plain Keras's or
+            refused, never silently different. Irrelevant at M = 1. (Dropout-like layers
+            draw one device's masks at any M: each micro-batch its rows of them.)
 
     Raises:
         StrategyError: an option out of range, or D x S more than the devices.
@@ -219,9 +218,8 @@ class PipelineStrategy:
             devices = schedules.stage_devices(group, self.num_stages * self.virtual_stages, self.schedule)
             copies_r = clone_chain(layers, counts, devices, inputs)[0]
             replicas.append(self._stages(copies_r, counts, devices, call_kwargs))
-        if self.data_parallel > 1 and self.num_microbatches == 1:
-            # One call per step and copy: each copy's Dropout draws its rows of one device's mask
-            # (with M > 1 every micro-batch draws anew, data parallel or not).
+        if self.data_parallel > 1 or self.num_microbatches > 1:
+            # Each copy's and each micro-batch's Dropout draws its rows of one device's mask.
             for r, stages in enumerate(replicas):
                 draw_as_whole_batch([layer for stage in stages for layer in stage.layers], r, len(replicas))
         origin = _parts.Origin(model)
@@ -337,25 +335,21 @@ def _resolve(devices, num_stages, data_parallel):
 def _refuse_per_microbatch_layers(layers, num_microbatches):
     """Refuses layers whose training output depends on the whole batch at M > 1.
 
+    (Random layers draw their rows of one device's numbers: `_replicas.draw_as_whole_batch`.)
+
     Raises:
-        StrategyError: a trainable BatchNormalization (batch statistics) or a random
-            layer with a non-zero rate (one mask per micro-batch), nested ones included.
+        StrategyError: a trainable BatchNormalization (batch statistics), nested ones included.
     """
     for layer in _replicas.layer_tree(layers):
         if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-            what = "normalise each micro-batch by its own mean and variance"
-            instead = "the layer frozen (trainable=False: moving statistics), LayerNormalization"
-        elif isinstance(layer, _replicas.RANDOM_LAYERS) and getattr(layer, "rate", 1):
-            what = "draw a new random mask for each micro-batch"
-            instead = "rate=0"
-        else:
-            continue
-        raise StrategyError(
-            f"Layer {layer.name!r} ({type(layer).__name__}) would {what} at num_microbatches="
-            f"{num_microbatches}, not once for the whole batch as one device does (losses and weights "
-            f"would differ). Expected num_microbatches=1, {instead}, or microbatch_statistics=True "
-            "to accept GPipe's per-micro-batch semantics."
-        )
+            raise StrategyError(
+                f"Layer {layer.name!r} ({type(layer).__name__}) would normalise each micro-batch by its "
+                f"own mean and variance at num_microbatches={num_microbatches}, not once for the whole "
+                "batch as one device does (losses and weights would differ). Expected "
+                "num_microbatches=1, the layer frozen (trainable=False: moving statistics), "
+                "LayerNormalization, or microbatch_statistics=True to accept GPipe's per-micro-batch "
+                "semantics."
+            )
 
 
 def _refuse_stateful_layers_under_recompute(layers):

@@ -7,8 +7,9 @@ to 1e-5 absolute plus 1e-5 relative. The models: a chain (19 samples in batches 
 last batch splits 2 + 1 over 2 replicas, 1 + 1 + 1 + 0 over 4), BatchNormalization nested
 in a sub-model and in a custom layer (the sub-model's saved config still says
 `synchronized: false`), and a masked one (Keras's masked moments; replicas hold different
-numbers of valid steps). `test_stock_keras_differs` keeps them honest: without the fix each
-is off by more than 1e-4. One replica and `replica_statistics=True` launch nothing.
+numbers of valid steps); also 2 workers x 2 replicas, and a model whose layers were made
+before the fix was applied. `test_stock_keras_differs` keeps them honest: without the fix
+each is off by more than 1e-4. One replica and `replica_statistics=True` launch nothing.
 """
 
 import functools
@@ -86,13 +87,17 @@ def _data(name, samples, seed):
     return x, rng.integers(0, 2, samples).astype("int32")
 
 
-def _train(strategy, name, save_to=None):
-    """{what: values} of the model `name` trained under `strategy`."""
-    x, y = _data(name, SAMPLES[name], seed=1)
-    xv, yv = _data(name, BATCH, seed=2)
+def _built(strategy, name):
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = _model(name)
+        return _model(name)
+
+
+def _train(strategy, name, save_to=None, model=None):
+    """{what: values} of the model `name` (built now, unless given) trained under `strategy`."""
+    x, y = _data(name, SAMPLES[name], seed=1)
+    xv, yv = _data(name, BATCH, seed=2)
+    model = model or _built(strategy, name)
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
     if save_to is not None:
         model.save(save_to)
@@ -158,6 +163,17 @@ def test_mirrored_matches_one_device(name, replicas, tmp_path):
     if name == "nested":  # the user's model as written: no layer was made `synchronized`
         configs = _saved_batch_norm_configs(tmp_path / "model.keras")
         assert [c["synchronized"] for c in configs] == [False]  # the sub-model's (the block's is built in)
+
+
+def test_layers_made_before_the_fix_was_applied_take_the_global_batch_too():
+    """The fix is on the class: layers (and their model) that exist before it take it too."""
+    strategy = get("mirrored", cpu_replicas=2)
+    keras_batch_norm._unapply()
+    try:
+        model = _built(strategy, "nested")
+    finally:
+        keras_batch_norm.apply()
+    _assert_equal(_train(strategy, "nested", model=model), _reference("nested"))
 
 
 def multi_worker_runs(names):

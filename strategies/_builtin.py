@@ -19,7 +19,7 @@ from tfscale import compat
 from tfscale._auto import choose as _choose_auto
 from tfscale._auto import tpu_named as _tpu_named
 from tfscale.cluster import ClusterSpec
-from tfscale.compat import collective_keys, keras_multi_worker
+from tfscale.compat import collective_keys, keras_batch_norm, keras_multi_worker
 from tfscale.strategies import _communication, _zero
 from tfscale.strategies._devices import (
     cpu_device_names,
@@ -85,6 +85,7 @@ def _mirrored(options):
     devices, num_gpus, cpu_replicas = options.devices, options.num_gpus, options.cpu_replicas
     cross_device_ops = options.cross_device_ops
     zero_stage = _zero.check_stage(options.zero_stage)
+    replica_statistics = check("replica_statistics", options.replica_statistics)
     communication = _communication.Communication(
         gradient_compression=options.gradient_compression,
         bytes_per_pack=options.bytes_per_pack,
@@ -131,6 +132,8 @@ def _mirrored(options):
     collective_keys.reserve_key_range()
     _communication.configure(strategy, **dataclasses.asdict(communication))
     _zero.configure(strategy, zero_stage)
+    # BatchNormalization: the global batch's statistics unless asked (tfscale/compat/keras_batch_norm.py).
+    keras_batch_norm.keep_replica_statistics(strategy, replica_statistics)
     return strategy
 
 
@@ -138,6 +141,7 @@ def _multi_worker(options, cluster):
     communication, timeout_seconds = options.communication, options.timeout_seconds
     cluster_resolver, cpu_replicas = options.cluster_resolver, options.cpu_replicas
     check("communication", communication)
+    replica_statistics = check("replica_statistics", options.replica_statistics)
     cluster_timeout = check_cluster_timeout(options.cluster_timeout)
     if timeout_seconds is not None:
         check("timeout_seconds", timeout_seconds)
@@ -163,6 +167,7 @@ def _multi_worker(options, cluster):
         ),
     )
     _communication.configure(strategy, **dataclasses.asdict(gradients))
+    keras_batch_norm.keep_replica_statistics(strategy, replica_statistics)
     return strategy
 
 

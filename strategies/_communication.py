@@ -12,7 +12,7 @@ import dataclasses
 import tensorflow as tf
 
 from tfscale import _strategy_spec as _spec
-from tfscale.compat import keras_loss_denominator, tf_communication
+from tfscale.compat import keras_batch_norm, keras_loss_denominator, tf_communication
 from tfscale.strategies._options import check
 
 __all__ = ["COMPRESSIONS", "IMPLEMENTATIONS", "Communication", "configure", "of"]
@@ -94,6 +94,15 @@ def of(strategy):
     return tf_communication.attached(strategy) or Communication()
 
 
+def _other_launch(name):
+    """Whether op `name` is the loss's or BatchNormalization's own launch, not a gradient's.
+
+    A name scope entered again in one graph is made unique with a suffix (`..._1`).
+    """
+    scopes = (keras_loss_denominator.NAME_SCOPE, keras_batch_norm.NAME_SCOPE)
+    return any(part == s or part.startswith(s + "_") for part in name.split("/") for s in scopes)
+
+
 def traced_all_reduces(graph):
     """The gradient all-reduce launches in a traced step: `[(dtype, bytes), ...]`.
 
@@ -102,11 +111,12 @@ def traced_all_reduces(graph):
     per pack, with the size of the tensor each sends. Launches inside `tf.cond`
     branches (the fp16 overflow fallback) live in branch functions and are not
     counted: they run only on the steps that take that branch. Nor are the loss's own
-    (a few scalars per loss term, `tfscale.compat.keras_loss_denominator`).
+    (a few scalars per loss term, `tfscale.compat.keras_loss_denominator`) and a trainable
+    BatchNormalization's (its moments, `tfscale.compat.keras_batch_norm`).
     """
     launches = []
     for op in graph.get_operations():
-        if op.type == "CollectiveReduceV2" and keras_loss_denominator.NAME_SCOPE not in op.name.split("/"):
+        if op.type == "CollectiveReduceV2" and not _other_launch(op.name):
             tensor = op.inputs[0]
             launches.append((tensor.dtype.name, tensor.shape.num_elements() * tensor.dtype.size))
     return launches

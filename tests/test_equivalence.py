@@ -30,18 +30,10 @@ WIDE_TIER = os.environ.get("TFSCALE_EQUIVALENCE")  # "ci" or "full": on demand
 # Open differences, each a strict xfail with its reason: listed, never hidden, and a case
 # that starts to pass fails the run until it is taken off this list.
 _MIRRORED = "mirrored is TensorFlow's own MirroredStrategy (the reference mode, not a tfscale split): "
-_BN = _MIRRORED + "each replica normalises its half of the batch by that half's statistics"
 _DROPOUT = _MIRRORED + "each replica draws its own Dropout mask"
 KNOWN = {
-    "mirrored-1-2-muon-clipnorm-batchnorm-metrics_masked": _BN,
-    "mirrored-1-2-sgd_momentum-none-batchnorm_inference-class_weight": _BN,
-    "mirrored-1-2-sgd_nesterov-lr_schedule-batchnorm-steps_per_execution": _BN,
     "mirrored-1-2-muon-accumulation-dropout-predict": _DROPOUT,
-    "mirrored-1-2-sgd-clipvalue-batchnorm-save_load_weights": _BN,
-    "mirrored-1-2-adadelta-lr_schedule-batchnorm-sample_weight": _BN,
     "mirrored-1-2-sgd-global_clipnorm-dropout-save_load_weights": _DROPOUT,
-    "mirrored-1-2-sgd_momentum-global_clipnorm-batchnorm_inference-metrics_masked": _BN,
-    "mirrored-1-2-lamb-mixed_float16-batchnorm-sample_weight": _BN,
     "mirrored-1-2-adamw-none-dropout-backup_resume": _DROPOUT,
 }
 

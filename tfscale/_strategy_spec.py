@@ -137,6 +137,9 @@ class MirroredOptions:
     bytes_per_pack: int = 0  # 0: one pack
     timeout_seconds: Optional[float] = None
     zero_stage: Literal[ZERO_STAGES] = 0
+    # True: each replica's trainable BatchNormalization normalises its slice by the slice's
+    # statistics (Keras's own behaviour); False: by the global batch's, as on one device.
+    replica_statistics: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +153,7 @@ class MultiWorkerOptions:
     gradient_compression: Optional[Literal[GRADIENT_COMPRESSIONS]] = None
     bytes_per_pack: int = MirroredOptions.bytes_per_pack
     cluster_timeout: float = DEFAULT_CLUSTER_TIMEOUT
+    replica_statistics: bool = MirroredOptions.replica_statistics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +338,7 @@ RULES = {
     "cluster_timeout": Rule(
         lambda v: _number(v) and 0 < v < math.inf, "a positive, finite number of seconds"
     ),
+    "replica_statistics": Rule(lambda v: isinstance(v, bool), "True or False"),
 }
 
 

@@ -8,8 +8,10 @@ The sets of fixes each strategy needs live here, once, so their users cannot dri
 - `apply_strategy_fixes()`: everything a `MirroredStrategy` / `MultiWorkerMirroredStrategy`
   needs for one-device results, the above plus `apply_multi_worker_fixes()` (`fit` works
   under MWMS; uneven per-replica batches), `apply_optimizer_fixes()` (clipping after the
-  all-reduce, gradient accumulation, the strategy's options) and `apply_loss_fixes()` (mean
-  losses over the global batch: uneven last batch, masks, sample weights).
+  all-reduce, gradient accumulation, the strategy's options), `apply_loss_fixes()` (mean
+  losses over the global batch: uneven last batch, masks, sample weights) and
+  `keras_batch_norm.apply()` (a trainable BatchNormalization normalises by the global
+  batch's statistics, unless the strategy keeps per-replica ones).
   `get("mirrored" | "multi_worker")` (and `"auto"` when it picks one of them) applies it,
   and so does `tfscale-launch --keras_compat` in programs that build their own strategy;
   call it once yourself for a strategy you build by hand.
@@ -19,6 +21,7 @@ Keras/TensorFlow internals are gone.
 """
 
 from tfscale.compat import (
+    keras_batch_norm,
     keras_loss_denominator,
     keras_multi_worker,
     keras_optimizer,
@@ -61,13 +64,14 @@ def apply_strategy_fixes():
     build yourself.
 
     Returns:
-        {name: True if that fix is in effect, False if not needed here} for the three
-        data-parallel fixes ("multi_worker", "optimizer", "loss").
+        {name: True if that fix is in effect, False if not needed here} for the four
+        data-parallel fixes ("multi_worker", "optimizer", "loss", "batch_norm").
     """
     # `fit` under MWMS; also uneven per-replica batches under MirroredStrategy. First: it
     # replaces the trainer's `_maybe_symbolic_build`, which the iterator parking then wraps.
     applied = {"multi_worker": keras_multi_worker.apply()}
     applied["optimizer"] = keras_optimizer.apply()  # Clip after the all-reduce; accumulation.
     applied["loss"] = keras_loss_denominator.apply()  # Mean losses over the global batch.
+    applied["batch_norm"] = keras_batch_norm.apply()  # BatchNormalization: the global batch's moments.
     apply_every_strategy_fixes()
     return applied

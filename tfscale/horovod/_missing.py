@@ -31,8 +31,8 @@ MISSING = {
         "allgather_object": "broadcast_object per rank",
         "start_timeline": _PROFILER,
         "stop_timeline": _PROFILER,
-        "SyncBatchNormalization": "keras.layers.BatchNormalization(synchronized=True) under "
-        'tfscale.strategies.get("multi_worker")',
+        "SyncBatchNormalization": "keras.layers.BatchNormalization under "
+        'tfscale.strategies.get("multi_worker"), which normalises by the global batch',
         "PartialDistributedGradientTape": (
             "DistributedGradientTape with the local variables left out of `sources`"
         ),

@@ -7,7 +7,8 @@ per-epoch losses and metrics, the final weights (through `merge`), `predict` and
 computation, the sums are the same). The graphs: branches and skip connections crossing
 every cut, an encoder-decoder (U-Net) skip, two inputs and two outputs (list and dict, with
 loss weights and per-output metrics), a shared layer called in two parts, raw `keras.ops`
-calls between layers, and a Keras mask crossing a cut.
+calls between layers, a Keras mask crossing a cut, and the mask of a per-timestep output
+leaving the last part for the loss; and `data_parallel=2` copies of a graph split.
 """
 
 import keras
@@ -18,6 +19,9 @@ import tfscale
 from tfscale.strategies import BalanceError, ModelSplitStrategy
 from tfscale.strategies._placement import device_of
 
+# The fast tier keeps the first N cases of these parametrized tests (the three graphs on 2
+# devices); the rest run in the full suite only (conftest.py, `FAST_REPRESENTATIVES`).
+FAST_REPRESENTATIVES = {"test_layer_split_of_a_graph_trains_like_keras": 3}
 RTOL = ATOL = 1e-5
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 SEQ, VOCAB = 7, 16
@@ -61,6 +65,15 @@ def assert_like_keras(build, options, x, y, *, epochs=2, **compile_kwargs):
 def _data(n=32, features=8, outputs=4, seed=0):
     rng = np.random.RandomState(seed)
     return rng.randn(n, features).astype("float32"), rng.randn(n, outputs).astype("float32")
+
+
+def _tokens():
+    """Padded token rows (0 = padding, at the end of each row)."""
+    rng = np.random.RandomState(0)
+    x = rng.randint(1, VOCAB, (32, SEQ)).astype("int32")
+    for i, length in enumerate(rng.randint(2, SEQ, 32)):
+        x[i, length:] = 0
+    return x
 
 
 def residual():
@@ -212,16 +225,30 @@ def masked():
 
 
 def test_a_keras_mask_crosses_a_cut_to_both_branches():
-    rng = np.random.RandomState(0)
-    x = rng.randint(1, VOCAB, (32, SEQ)).astype("int32")
-    for i, length in enumerate(rng.randint(2, SEQ, 32)):
-        x[i, length:] = 0
-    y = rng.randn(32, 1).astype("float32")
+    x = _tokens()
+    y = np.random.RandomState(1).randn(32, 1).astype("float32")
     # Calls: embed, not_equal (the Embedding's mask, a raw op of the graph) | lstm, pool, cat, out.
     strategy, _ = assert_like_keras(masked, {"num_devices": 2, "balance": [2, 4]}, x, y, loss="mse")
     first, second = strategy.placement
     assert first["calls"][0] == "embed" and first["calls"][1].startswith("not_equal")
     assert second["takes"] == first["gives"] and first["gives"][0] == "embed:0" and len(first["gives"]) == 2
+
+
+def masked_sequence():
+    ids = keras.Input((SEQ,), dtype="int32")
+    embedded = keras.layers.Embedding(VOCAB, 8, mask_zero=True, name="embed")(ids)
+    recurrent = keras.layers.GRU(8, return_sequences=True, name="gru")(embedded)
+    summed = keras.layers.Add(name="res")([embedded, recurrent])
+    return keras.Model(ids, keras.layers.Dense(1, name="out")(summed))
+
+
+def test_the_mask_of_a_per_timestep_output_leaves_the_last_part_for_the_loss():
+    x = _tokens()
+    y = np.random.RandomState(1).randn(32, SEQ, 1).astype("float32")
+    strategy, _ = assert_like_keras(
+        masked_sequence, {"num_devices": 2, "balance": "uniform"}, x, y, loss="mse"
+    )
+    assert "out" in strategy.placement[-1]["calls"]
 
 
 def test_data_parallel_copies_of_a_graph_split_train_like_keras():

@@ -7,7 +7,8 @@ per-epoch losses and metrics, the final weights (through `merge`), `predict` and
 computation, the sums are the same). The graphs: branches and skip connections crossing
 every cut, an encoder-decoder (U-Net) skip, two inputs and two outputs (list and dict, with
 loss weights and per-output metrics), a shared layer called in two parts, raw `keras.ops`
-calls between layers, a Keras mask crossing a cut, and the mask of a per-timestep output
+calls between layers, nested models (a functional one called twice, a Sequential), a Keras
+mask crossing a cut, and the mask of a per-timestep output
 leaving the last part for the loss; and `data_parallel=2` copies of a graph split.
 """
 
@@ -212,6 +213,30 @@ def test_a_shared_layer_called_in_two_parts_is_placed_once_and_reported():
     assert {device_of(v) for v in split.get_layer("shared").weights} == {DEVICES[0]}
     assert strategy.report(split)[1]["shared"] == {"shared": DEVICES[0]}
     assert sorted(first["gives"]) == ["middle:0", "shared:0"]  # the first call's output crosses too
+
+
+def nested():
+    """A functional model called twice (its second output a model output) and a Sequential, nested."""
+    inner_input = keras.Input((8,))
+    inner = keras.Model(
+        inner_input, keras.layers.Dense(8, activation="tanh", name="inner_d")(inner_input), name="inner"
+    )
+    tail = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="tail_d")], name="tail")
+    x = keras.Input((8,))
+    h = keras.layers.Dense(8, name="first")(x)
+    a = inner(h)
+    return keras.Model(x, {"y": tail(keras.layers.Add(name="add")([a, h])), "z": inner(a)})
+
+
+def test_nested_models_are_units_and_a_nested_model_called_twice_is_placed_once():
+    x, y = _data()
+    z = np.random.RandomState(2).randn(32, 8).astype("float32")
+    strategy, _ = assert_like_keras(
+        nested, {"num_devices": 2, "balance": "uniform"}, x, {"y": y, "z": z}, loss={"y": "mse", "z": "mae"}
+    )
+    first, second = strategy.placement
+    assert first["calls"] == ["first", "inner"] and second["calls"] == ["inner#1", "add", "tail"]
+    assert second["shared"] == {"inner": DEVICES[0]} and sorted(second["gives"]) == ["inner#1:0", "tail:0"]
 
 
 def masked():

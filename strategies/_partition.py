@@ -22,6 +22,7 @@ __all__ = [
     "chain_layers",
     "describe",
     "graph_config",
+    "is_chain",
     "layer_bytes",
     "layer_params",
     "partition",
@@ -33,6 +34,8 @@ __all__ = [
 # so that it still counts in the tie-break instead of piling up in one part.
 _EPSILON = 1e-3
 _TIME_REPEATS = 3
+# Said by every refusal of a graph that is not a chain: the layer split cuts any graph.
+_GRAPH_HINT = " The layer split (strategies.get('model_split')) takes any functional graph as it is."
 
 
 class BalanceError(StrategyError):
@@ -72,6 +75,15 @@ def chain_layers(model):
     if not layers:
         raise BalanceError(f"Model {model.name!r} has no layers to cut into parts.")
     return layers
+
+
+def is_chain(model):
+    """Whether `model` is a Sequential or a functional chain (`chain_layers` takes it)."""
+    try:
+        chain_layers(model)
+    except BalanceError:
+        return False
+    return True
 
 
 def graph_config(model):
@@ -119,7 +131,7 @@ def _functional_chain(model, config):
     if _count_tensors(inputs) != 1 or _count_tensors(outputs) != 1:
         raise BalanceError(
             f"Cannot cut model {model.name!r} into a chain: it has {_count_tensors(inputs)} "
-            f"input(s) and {_count_tensors(outputs)} output(s); a chain has one of each."
+            f"input(s) and {_count_tensors(outputs)} output(s); a chain has one of each.{_GRAPH_HINT}"
         )
     consumers = {}
     for entry in config["layers"]:
@@ -147,7 +159,7 @@ def _layer(model, entry):
             f"Cannot cut model {model.name!r} into a chain at {entry['name']!r}: it is a raw "
             f"keras.ops call ({entry['class_name']}), not a Layer, so it cannot be placed on a "
             "device. Wrap it in a Layer (keras.layers.Activation for an activation, or a custom "
-            "Layer whose call() makes it)."
+            f"Layer whose call() makes it).{_GRAPH_HINT}"
         ) from None
 
 
@@ -171,7 +183,7 @@ def _check_link(model, entry, previous, consumers):
     if len(nodes) != 1:
         raise BalanceError(
             f"Cannot cut model {model.name!r} into a chain at layer {name!r}: it is called "
-            f"{len(nodes)} times (shared layer). Use a separate layer per call."
+            f"{len(nodes)} times (shared layer). Use a separate layer per call.{_GRAPH_HINT}"
         )
     producers = tensor_producers(nodes[0])
     if producers != [previous]:
@@ -179,13 +191,14 @@ def _check_link(model, entry, previous, consumers):
             f"Cannot cut model {model.name!r} into a chain at layer {name!r}: it takes "
             f"{len(producers)} input(s) from {producers}, expected the single output of "
             f"{previous!r} (skip connections and merges cannot be cut). Wrap the branching "
-            "part in one Layer (a block) so the model becomes a chain of blocks."
+            f"part in one Layer (a block) so the model becomes a chain of blocks.{_GRAPH_HINT}"
         )
     if len(consumers.get(previous, [])) > 1:
         raise BalanceError(
             f"Cannot cut model {model.name!r} into a chain at layer {previous!r}: its output "
             f"feeds {len(consumers[previous])} layers {consumers[previous]} (a branch). Wrap "
             "the branching part in one Layer (a block) so the model becomes a chain of blocks."
+            f"{_GRAPH_HINT}"
         )
 
 

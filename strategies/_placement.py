@@ -24,6 +24,7 @@ __all__ = [
     "device_of",
     "model_input",
     "on_device",
+    "on_device_many",
     "part_of_each_layer",
     "place_slots_with_variables",
     "variable_device",
@@ -219,6 +220,50 @@ def on_device(device, fn, *inputs):
     # The op that carries the custom gradient holds the output: keep it on the device too.
     with tf.device(device):
         return run(*[tf.convert_to_tensor(x) for x in inputs])
+
+
+def on_device_many(device, fn, inputs):
+    """`on_device` for a function of several tensors returning a list of tensors.
+
+    The float outputs carry gradients, computed on `device`; any other output (integer ids,
+    a boolean mask) comes back as it is, with no gradient. An output no later computation
+    uses gets a zero gradient.
+
+    Args:
+        device: the device name.
+        fn: a function of tensors returning a list of tensors; it may read variables.
+        inputs: its tensor arguments (non-float ones get no gradient).
+
+    Returns:
+        The list of `fn`'s outputs.
+    """
+    outputs = []
+
+    @tf.custom_gradient
+    def run(*xs):
+        with tf.device(device), tf.GradientTape() as tape:
+            xs = [tf.identity(x) for x in xs]  # distinct tensors per argument (see on_device)
+            differentiable = [x for x in xs if x.dtype.is_floating]
+            tape.watch(differentiable)
+            outputs.extend(fn(*xs))
+            floats = [y for y in outputs if y.dtype.is_floating]
+            # custom_gradient needs an output: a part that gives only integers gives this too.
+            floats = floats or [tf.zeros(())]
+
+        def grad(*dys, variables=None):
+            variables = list(variables or [])
+            dys = [tf.zeros_like(y) if dy is None else dy for y, dy in zip(floats, dys)]
+            with tf.device(device):
+                grads = tape.gradient(floats, differentiable + variables, output_gradients=dys)
+            it = iter(grads[: len(differentiable)])
+            input_grads = [next(it) if x.dtype.is_floating else None for x in xs]
+            return input_grads, grads[len(differentiable) :]
+
+        return floats, grad
+
+    with tf.device(device):
+        results = iter(run(*[tf.convert_to_tensor(x) for x in inputs]))
+    return [next(results) if y.dtype.is_floating else y for y in outputs]
 
 
 def model_input(model):

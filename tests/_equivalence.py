@@ -32,8 +32,9 @@ Tiers (one process, 4 logical CPUs from tests/conftest.py, references shared by 
               They are pairwise cases themselves (one aside): a full run runs each once.
     pairwise  `pytest tests/test_equivalence.py -m slow` (in `.ci/run`): a pairwise cover,
               every pair of values of any two dimensions in at least one case (`pairwise`,
-              fixed seed; 344 cases: the 267 of the first values, then 77 for the pairs of
-              the values added later (ADDED), appended so that no earlier case changed (a
+              fixed seed; 378 cases: the 267 of the first values, then 77, 17 and 17 for
+              the pairs of the values added later (ADDED_ROUNDS: issue 24's, `zb-v`, the
+              `graph` family), appended so that no earlier case changed (a
               cover made afresh would have 303); ~13 min on a quiet 2-core machine: too slow for the
               5-minute fast tier, measured, so it is the CI gate). Cases with a known open
               difference are strict xfails in tests/test_equivalence.py (`KNOWN`), each with
@@ -87,7 +88,7 @@ OPTIONS = ("none", "clipnorm", "global_clipnorm", "clipvalue", "weight_decay", "
 LAYERS = (
     "dense", "embedding_repeated", "embedding_mask_zero", "conv", "rnn_masked", "lstm_masked",
     "gru_timestep_masked", "bidirectional_masked", "attention", "batchnorm", "batchnorm_inference",
-    "dropout", "frozen", "regularizers", "add_loss", "custom",
+    "dropout", "frozen", "regularizers", "add_loss", "custom", "graph",
 )  # fmt: skip
 FEATURES = (
     "fit", "sample_weight", "class_weight", "validation_data", "evaluate", "predict", "metrics",
@@ -112,6 +113,7 @@ ADDED_ROUNDS = (
         "feature": ("backup_resume", "freeze_unfreeze", "save_load_model"),
     },
     {"mode": ("zb-v",)},  # the ZB-V schedule (issue 30)
+    {"layer": ("graph",)},  # a functional graph, not a chain: the layer split cuts it (issue 25)
 )
 ADDED = {n: tuple(v for r in ADDED_ROUNDS for v in r.get(n, ())) for r in ADDED_ROUNDS for n in r}
 
@@ -297,6 +299,19 @@ def _functional(*links, kwargs=None):
     return keras.Model(inputs, x)
 
 
+def _graph():
+    """A functional graph, not a chain: a residual over two layers, a raw op on the input
+    feeding a late layer (skips across the layer split's cut), a merge of two branches."""
+    import keras
+
+    L = keras.layers
+    x = keras.Input((4,))
+    a = L.Dense(8, "tanh")(x)
+    h = L.Add()([a, L.Dense(8, "tanh")(L.Dense(8, "tanh")(a))])
+    d = L.Dense(4, "tanh")(L.Concatenate()([h, keras.ops.tanh(x)]))
+    return keras.Model(x, L.Dense(2)(d))
+
+
 def _families():
     """{layer family: a function building its model} (small chains of a few hundred params)."""
     import keras
@@ -341,6 +356,7 @@ def _families():
         # A raw keras.ops call between layers and a custom layer with its own weight.
         "custom": lambda: _functional(In((4,)), L.Dense(8), keras.ops.tanh, Scale(), L.Dense(4, "tanh"),
                                       L.Dense(2)),
+        "graph": _graph,
     }  # fmt: skip
 
 

@@ -337,7 +337,12 @@ def odd_mlp():
             ModelSplitError,
             r"no layer 'nope'",
         ),
-        (encoder_graph, {"num_devices": 2}, BalanceError, r"into a chain at layer"),
+        (
+            encoder_graph,
+            {"num_devices": 2, "balance": "time"},
+            BalanceError,
+            r"balance='time' for model 'encoder_graph'",
+        ),
         (mlp, {"num_devices": 4, "balance": [1, 1, 1]}, BalanceError, r"Expected 4 positive layer counts"),
     ],
 )

@@ -3,6 +3,8 @@
 Modules, one mechanism each:
 - `strategy`: `ModelSplitStrategy` (options, `split` / `merge` / `report`);
 - `models`: the Keras model classes a split returns (layers run on their devices);
+- `graph`: layer split of any functional graph (`SplitGraph`: parts run as hops, live
+  tensors carried across each cut);
 - `tensor_split`: rewriting Dense / Embedding / MultiHeadAttention into their split forms;
 - `layers`: the tensor-split (Megatron-style) layers themselves.
 """

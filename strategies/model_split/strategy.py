@@ -11,11 +11,14 @@ from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._options import check, reject_unknown
 from tfscale.strategies._placement import clone_chain
 from tfscale.strategies._replicas import check_data_parallel, group_devices
+from tfscale.strategies.model_split.graph import SplitGraph, graph_split
 from tfscale.strategies.model_split.layers import ModelSplitError
 from tfscale.strategies.model_split.models import DataParallelSplit, SplitSequential
 from tfscale.strategies.model_split.tensor_split import model_input, tensor_split
 
 __all__ = ["ModelSplitStrategy"]
+
+_CUT_KEYS = ("calls", "takes", "gives", "shared")
 
 
 class ModelSplitStrategy:
@@ -24,7 +27,10 @@ class ModelSplitStrategy:
     Layer split (default): the model's chain of layers is cut into consecutive groups, one
     per device, balanced by parameters, layer count, measured time, or explicit counts;
     each group's variables are created on its device and its layers run there, the
-    activations moving between devices. Tensor split (`tensor_parallel=K`): each Dense,
+    activations moving between devices. Any other functional graph (branches, skips across
+    devices, several inputs and outputs, shared layers, raw `keras.ops` calls) is cut the
+    same way between its calls in topological order, each device taking every tensor live
+    across its cut. Tensor split (`tensor_parallel=K`): each Dense,
     Embedding and MultiHeadAttention layer is replaced by its Megatron-style split form
     (see `tfscale.strategies.model_split.layers`), K weight shards on K devices.
 
@@ -96,6 +102,7 @@ class ModelSplitStrategy:
         self._balance, self._tensor_layers, self._sample_input = balance, tensor_layers, options.sample_input
         self._origins = weakref.WeakKeyDictionary()  # split model -> _parts.Origin
         self._whole = weakref.WeakKeyDictionary()  # tensor split -> {layer: why not split}
+        self._cuts = weakref.WeakKeyDictionary()  # layer split of a graph -> its parts (`_graph.describe`)
         self.placement = None
 
     @property
@@ -112,17 +119,22 @@ class ModelSplitStrategy:
         """Returns a split copy of a built `model`, with its weights.
 
         Args:
-            model: a built Keras model: Sequential or functional. Layer split needs a chain
-                (see `tfscale.strategies._partition.chain_layers`); tensor split any graph.
+            model: a built Keras model: Sequential or functional, any graph (branches, skip
+                connections, several inputs and outputs, shared layers, raw `keras.ops`
+                calls). Layer split cuts a chain between layers (a `SplitSequential`), any
+                other graph between its calls in topological order, every tensor live
+                across a cut carried over it (a `SplitGraph`, `_graph.plan`).
             sample_input: a batch for the model; needed by balance="time" (else the one
                 given to the constructor is used).
 
         Returns:
-            A `keras.Model` of the same layers (Sequential for layer split) whose variables
-            live on the devices; `self.placement` describes the parts of a layer split.
+            A `keras.Model` of the same layers (Sequential for layer split of a chain) whose
+            variables live on the devices; `self.placement` describes the parts of a layer
+            split (for a graph: also the calls of each part and the tensors crossing its cuts).
 
         Raises:
-            BalanceError: layer split of a model that is not a chain or has too few layers.
+            BalanceError: layer split of a subclassed model (its call is Python, not a
+                graph), of too few layers (or calls), or balance="time" on a graph.
             ModelSplitError: unbuilt model; tensor split of a layer named in
                 `tensor_layers` that cannot be split exactly (unsupported type or option,
                 dimension not divisible by the number of devices), or of a model with no
@@ -136,6 +148,8 @@ class ModelSplitStrategy:
         split = copies[0] if len(copies) == 1 else DataParallelSplit(copies)
         if outcomes[0][1] is not None:
             self._whole[split] = outcomes[0][1]
+        if isinstance(copies[0], SplitGraph):
+            self._cuts[split] = self.placement
         self._origins[split] = _parts.Origin(model)
         for copy in copies:
             copy.remember_origin(self._origins[split])
@@ -148,6 +162,11 @@ class ModelSplitStrategy:
         return self._layer_split(model, devices, sample_input), None
 
     def _layer_split(self, model, devices, sample_input):
+        if not isinstance(model, keras.Sequential) and not _partition.is_chain(model):
+            # Branches, skips, several inputs or outputs, shared layers, raw ops: the graph's
+            # calls are cut in topological order, every live tensor carried across each cut.
+            split, self.placement = graph_split(model, devices, self._balance, name=f"{model.name}_split")
+            return split
         layers = _partition.chain_layers(model)
         counts = _partition.balance(layers, len(devices), self._balance, sample_input)
         inputs = model_input(model)
@@ -184,12 +203,22 @@ class ModelSplitStrategy:
         Returns:
             A list of dicts (one per device, in order) with keys "device", "layers",
             "params", "param_bytes"; model variables only (optimizer slots not counted).
-            For a tensor split, also "split_layers" (the layers with a shard on this
-            device) and "whole_layers" ({layer name: why it was not split} for the layers
-            held whole on this device).
+            For a layer split of a graph (not a chain), also "calls" (the calls run on this
+            device, `name#k` for the k-th call of a shared layer), "takes" and "gives" (the
+            tensors crossing the cut before and after its part: every live tensor, skips
+            passing through included) and "shared" ({layer: the device it lives on} for a
+            shared layer called here but placed on another device). For a tensor split,
+            also "split_layers" (the layers with a shard on this device) and "whole_layers"
+            ({layer name: why it was not split} for the layers held whole on this device).
         """
         models = getattr(split_model, "replica_models", [split_model])
         rows = _parts.report([layer for m in models for layer in m.layers], self._all_devices)
+        cuts = self._cuts.get(split_model)
+        if cuts is not None:
+            for row in rows:
+                part = next((p for p in cuts if p["device"] == row["device"]), None)
+                if part is not None:
+                    row.update({key: part[key] for key in _CUT_KEYS})
         whole = self._whole.get(split_model)
         if whole is not None:
             for row in rows:

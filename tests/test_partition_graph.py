@@ -20,9 +20,12 @@ import tfscale
 from tfscale.strategies import BalanceError, ModelSplitStrategy
 from tfscale.strategies._placement import device_of
 
-# The fast tier keeps the first N cases of these parametrized tests (the three graphs on 2
+# The fast tier keeps the first N cases of these parametrized tests (the residual graph on 2
 # devices); the rest run in the full suite only (conftest.py, `FAST_REPRESENTATIVES`).
-FAST_REPRESENTATIVES = {"test_layer_split_of_a_graph_trains_like_keras": 3}
+FAST_REPRESENTATIVES = {
+    "test_layer_split_of_a_graph_trains_like_keras": 1,
+    "test_two_inputs_two_outputs_with_loss_weights_and_metrics_per_output": 1,
+}
 RTOL = ATOL = 1e-5
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 SEQ, VOCAB = 7, 16
@@ -142,6 +145,7 @@ def test_layer_split_of_a_graph_trains_like_keras(name, num_devices):
         assert before["gives"] == after["takes"]
 
 
+@pytest.mark.slow  # the fast tier keeps one graph, the two-output and the shared-layer splits
 def test_a_skip_passes_through_every_cut_it_spans_and_the_report_shows_it():
     strategy, split = assert_like_keras(
         residual, {"num_devices": 3, "balance": "uniform"}, *_data(), loss="mse", epochs=1
@@ -228,6 +232,7 @@ def nested():
     return keras.Model(x, {"y": tail(keras.layers.Add(name="add")([a, h])), "z": inner(a)})
 
 
+@pytest.mark.slow  # the fast tier keeps one graph, the two-output and the shared-layer splits
 def test_nested_models_are_units_and_a_nested_model_called_twice_is_placed_once():
     x, y = _data()
     z = np.random.RandomState(2).randn(32, 8).astype("float32")
@@ -249,6 +254,7 @@ def masked():
     )
 
 
+@pytest.mark.slow  # the fast tier keeps one graph, the two-output and the shared-layer splits
 def test_a_keras_mask_crosses_a_cut_to_both_branches():
     x = _tokens()
     y = np.random.RandomState(1).randn(32, 1).astype("float32")
@@ -267,6 +273,7 @@ def masked_sequence():
     return keras.Model(ids, keras.layers.Dense(1, name="out")(summed))
 
 
+@pytest.mark.slow  # the fast tier keeps one graph, the two-output and the shared-layer splits
 def test_the_mask_of_a_per_timestep_output_leaves_the_last_part_for_the_loss():
     x = _tokens()
     y = np.random.RandomState(1).randn(32, SEQ, 1).astype("float32")
@@ -276,6 +283,7 @@ def test_the_mask_of_a_per_timestep_output_leaves_the_last_part_for_the_loss():
     assert "out" in strategy.placement[-1]["calls"]
 
 
+@pytest.mark.slow  # the fast tier keeps one graph, the two-output and the shared-layer splits
 def test_data_parallel_copies_of_a_graph_split_train_like_keras():
     rng = np.random.RandomState(0)
     x, y = rng.randn(32, 16, 2).astype("float32"), rng.randn(32, 4).astype("float32")

@@ -20,24 +20,19 @@ the work, not a network: across hosts the gather also pays the transfer.
 import argparse
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from tfscale.launch._procs import free_ports
+
 REMOTE = "/job:worker/replica:0/task:1/device:CPU:0"
 
 
 def _ports():
-    sockets = [socket.socket() for _ in range(2)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [str(s.getsockname()[1]) for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    return [str(p) for p in free_ports(2)]
 
 
 def _peak_rss_mib():

@@ -19,12 +19,13 @@ Prints a table of medians and the ratio launcher / by hand; writes
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from tfscale.launch._procs import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(os.path.dirname(HERE), "tests", "_launch_train.py")
@@ -68,13 +69,7 @@ def by_launcher(num_workers, out_dir):
 
 
 def _ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    return free_ports(count)
 
 
 def by_hand(num_workers, out_dir):

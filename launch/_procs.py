@@ -5,6 +5,7 @@ everything it started, and no process outlives the helper that started it.
 """
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,16 +14,61 @@ import time
 __all__ = ["describe_exit", "free_ports", "ports_free", "start", "stop", "stop_with_signal"]
 
 
+# Ports are picked from this floor up to the kernel's ephemeral range. A port that bind(0)
+# returns is ephemeral: between that check and the task's own bind, any outgoing connection on
+# the machine (another job's gRPC client, say) may take it as its local port. That happened in
+# a CI run ("Failed to add port to server ... Could not start gRPC server"). Ports below the
+# ephemeral range are never handed out to outgoing connections.
+_PORT_FLOOR = 15000
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_low():
+    """The first port of the kernel's ephemeral range, or None where it cannot be read."""
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bindable(port, host):
+    """True when `port` can be bound on `host` and on 0.0.0.0 (where TensorFlow's server binds)."""
+    for address in dict.fromkeys([host, "0.0.0.0"]):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((address, port))
+        except OSError:
+            return False
+        finally:
+            s.close()
+    return True
+
+
 def free_ports(count, host="127.0.0.1"):
-    """Returns `count` distinct TCP ports that were free on `host` a moment ago."""
+    """Returns `count` distinct TCP ports that were free on `host` a moment ago.
+
+    They come from below the ephemeral range where it leaves room (see `_PORT_FLOOR`), so no
+    outgoing connection takes one before the task binds it.
+    """
+    low = _ephemeral_low()
+    ports = []
+    if low is not None and low - _PORT_FLOOR >= 1000:
+        for port in random.SystemRandom().sample(range(_PORT_FLOOR, low), 200):
+            if len(ports) == count:
+                return ports
+            if _bindable(port, host):
+                ports.append(port)
+    # No room below the ephemeral range, or 200 ports there taken: let the kernel pick the rest.
     sockets = []
     try:
-        for _ in range(count):
+        while len(ports) + len(sockets) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, 0))
             sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
+        return ports + [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
             s.close()
@@ -92,14 +138,5 @@ def stop_with_signal(procs, sig, grace_seconds=5.0, hurry=None):
 
 
 def ports_free(ports, host="127.0.0.1"):
-    """True when every port in `ports` can be bound on `host` right now."""
-    for port in ports:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-        except OSError:
-            return False
-        finally:
-            s.close()
-    return True
+    """True when every port in `ports` can be bound on `host` (and 0.0.0.0) right now."""
+    return all(_bindable(port, host) for port in ports)

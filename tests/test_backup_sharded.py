@@ -8,7 +8,6 @@ second layer lives on task 1, so its shard is written by ops placed on task 1.
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ from _backup_workers import flip_byte
 import tfscale.callbacks
 import tfscale.strategies
 from tfscale.callbacks import _backup_store, _backup_writer
+from tfscale.launch._procs import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SAVE_FREQ, FAIL_STEP = 4, 10  # backups at 4 and 8; the run fails after step 10
@@ -154,20 +154,10 @@ def test_format_1_backup_still_restores_exactly(tmp_path, reference):
     _assert_equal(_state(resumed), reference)
 
 
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _run_cluster(tmp_path, **options):
     """Task 1 serves, task 0 trains, fails, resumes; the client's JSON result."""
     script = os.path.join(HERE, "_backup_remote.py")
-    ports = [str(p) for p in _free_ports(2)]
+    ports = [str(p) for p in free_ports(2)]
     with subprocess.Popen(
         [sys.executable, script, "server", *ports],
         stdout=subprocess.PIPE,

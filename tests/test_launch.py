@@ -21,7 +21,7 @@ from _launch_util import LAUNCHER, _env, run_launcher, start_launcher
 
 from tfscale._quiet import is_startup_noise
 from tfscale.cluster import ClusterSpec
-from tfscale.launch import _remote, jobs
+from tfscale.launch import _procs, _remote, jobs
 from tfscale.launch.supervisor import LaunchError
 
 PRINT_ENV = "import os, json; print(json.dumps(dict(os.environ)))"
@@ -241,6 +241,26 @@ def test_restart_reuses_free_ports_and_replaces_taken_ones():
         third = job(3)
     assert str(port) not in json.dumps(ClusterSpec.from_tf_config(third[0].env["TF_CONFIG"]).cluster)
     assert [t.name for t in third] == ["chief:0", "worker:0", "worker:1"]
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_are_bindable(tmp_path, monkeypatch):
+    """A port from bind(0) is ephemeral, so an outgoing connection can take it before the task
+    binds it (a CI run failed so: "Could not start gRPC server"); tfscale picks below the range."""
+    low = _procs._ephemeral_low()
+    assert low is not None and low - _procs._PORT_FLOOR >= 1000, low
+    ports = _procs.free_ports(8)
+    assert len(set(ports)) == 8 and all(_procs._PORT_FLOOR <= p < low for p in ports), ports
+    assert _procs.ports_free(ports)
+    with socket.socket() as s:  # a port someone listens on is not free, and not picked again
+        s.bind(("127.0.0.1", ports[0]))
+        s.listen()
+        assert not _procs.ports_free(ports[:1])
+    # Where the range leaves no room (or cannot be read), the kernel picks.
+    for text in ("15500\t60999\n", "garbage"):
+        (tmp_path / "range").write_text(text)
+        monkeypatch.setattr(_procs, "_EPHEMERAL_RANGE_FILE", str(tmp_path / "range"))
+        ports = _procs.free_ports(3)
+        assert len(set(ports)) == 3 and all(p >= low for p in ports), (text, ports)
 
 
 def test_keras_compat_shim_keeps_a_users_own_sitecustomize(marker, tmp_path):

@@ -15,7 +15,8 @@ Tiers (the `slow` marker, pyproject.toml):
   the hostile and chaos cases. Mark a new test `slow` when it starts TensorFlow
   subprocesses or takes more than about 5 s, and keep a quick representative of its path
   in the fast tier (for a parametrized test: `FAST_REPRESENTATIVES` in its module, below);
-  a `slow` mark on a test that is over that says which fast test stands for it.
+  a `slow` mark on a test that is over that says which fast test stands for it
+  (`tests/_tiers.py` lists those moved out by measurement, with their representatives).
 
 Two workers (pytest-xdist, README's command `pytest -n 2`): the tests are single-threaded
 enough that a 2-core machine runs two at once. A module's tests stay in one worker
@@ -32,8 +33,10 @@ Keras's own cycle, tfscale/compat/tf_platform_probe.py TensorFlow's), so pytest 
 within seconds of its summary. tests/test_conftest.py keeps such workarounds out.
 """
 
+import json
 import os
 
+import _tiers
 import pytest
 from _launch_util import leftovers, new_marker
 
@@ -86,3 +89,10 @@ def pytest_collection_modifyitems(config, items):
         kept[key] = kept.get(key, 0) + 1
         if kept[key] > keep:
             item.add_marker(pytest.mark.slow)
+    for item in items:
+        if item.nodeid in _tiers.FULL_RUN_ONLY:
+            item.add_marker(pytest.mark.slow)
+    report = os.environ.get("TFSCALE_TIERS_REPORT")  # tests/test_conftest.py reads the tiers
+    if report:
+        with open(report, "w", encoding="utf-8") as f:
+            json.dump({i.nodeid: i.get_closest_marker("slow") is not None for i in items}, f)

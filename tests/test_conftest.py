@@ -7,6 +7,7 @@ off and ended pytest with an early exit, because interrupted `fit`s left tf.data
 in reference cycles; those cycles are broken at their source now (see its docstring).
 """
 
+import json
 import os
 import re
 import subprocess
@@ -125,3 +126,29 @@ def test_each_module_runs_on_one_worker_unless_it_spreads_its_tests():
             workers.setdefault(found.group(2), set()).add(found.group(1))
     assert sorted(workers) == modules, run.stdout[-2000:]
     assert all(len(seen) == 1 for seen in workers.values()), workers
+
+
+@pytest.mark.slow  # collects the whole suite (about 10 s); test_no_workaround_in_tests is fast
+def test_tests_moved_out_of_the_fast_tier_name_fast_representatives(tmp_path):
+    """Every entry of tests/_tiers.py names a collected test, now slow, and a collected test
+    that stays in the fast tier: a renamed test cannot leave its path uncovered unnoticed."""
+    import _tiers
+
+    report = tmp_path / "tiers.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", TESTS],
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "TFSCALE_TIERS_REPORT": str(report)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    slow = json.loads(report.read_text())
+    assert len(slow) > 1000
+    problems = [f"not collected: {t}" for t in _tiers.FULL_RUN_ONLY if t not in slow]
+    problems += [f"not slow: {t}" for t in _tiers.FULL_RUN_ONLY if slow.get(t) is False]
+    fast = {r for r in _tiers.FULL_RUN_ONLY.values() if slow.get(r) is False}
+    problems += [f"representative not fast: {r}" for r in set(_tiers.FULL_RUN_ONLY.values()) - fast]
+    assert problems == []

@@ -185,7 +185,12 @@ class _Batch:
         if serial:
             created = _needed(graph.get_operations()[first:], self.done[step]["gate"])
             last = tf_graph_edit.chain_in_creation_order(created)
-            self.done[step]["gate"] += [] if last is None else [last]
+            # The gate's results depend on every created contraction (`_needed`), so the last
+            # one joins the gate only where there are no results: a control fan-out on it would
+            # keep grappler from fusing it with its BiasAdd and activation as plain Keras's graph
+            # does, and float16 rounds the two differently (tests/test_pipeline_keras_equivalence).
+            if not self.done[step]["gate"] and last is not None:
+                self.done[step]["gate"] = [last]
 
     def _forward(self, step):
         stage, last = self.stages[step.stage], step.stage == self.num_stages - 1
@@ -204,7 +209,11 @@ class _Batch:
             outputs = stage.call_layers(x, training=True) if self.split_weights else None
             y = stage.call(x, training=True) if outputs is None else outputs[-1]
             loss = self.loss_fn(step.microbatch, y) if last else None
-        gate = [y] if loss is None else [y, loss]
+        # Later steps wait on a Snapshot of `y`, not on `y`'s op: grappler's remapper fuses no
+        # activation that has control fan-outs (see `emit`). An Identity would not do: grappler
+        # bypasses it and moves its control fan-outs back onto `y`'s op.
+        waited = y if tf.executing_eagerly() else tf.raw_ops.Snapshot(input=y)
+        gate = [waited] if loss is None else [waited, loss]
         return {"x": x, "y": y, "outputs": outputs, "loss": loss, "tape": tape, "gate": gate}
 
     def _backward(self, step):

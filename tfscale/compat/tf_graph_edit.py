@@ -65,14 +65,36 @@ def chain_in_creation_order(operations):
     Returns:
         The last contraction (None if there is none).
     """
+    index = {op: i for i, op in enumerate(operations)}
     previous = None
     for op in operations:
         if op.type not in _CONTRACTIONS:
             continue
-        if previous is not None:
+        if previous is not None and not _depends_on(op, previous, index):
             op._add_control_input(previous)
         previous = op
     return previous
+
+
+def _depends_on(op, earlier, index):
+    """True when `op` reads `earlier`'s result through ops among `index` (made after it).
+
+    Such a pair needs no control edge: the data already orders it (the layers of a forward
+    pass). An edge there would cost a fusion, too: grappler's remapper fuses no contraction
+    that has a control fan-in with its BiasAdd and activation (`_FusedMatMul`), as it does
+    in plain Keras's graph, and under float16 a fused and an unfused layer round
+    differently (Adam + mixed_float16 ended 0.03 off; tests/test_pipeline_keras_equivalence.py).
+    """
+    floor, seen, stack = index[earlier], set(), [op]
+    while stack:
+        node = stack.pop()
+        for parent in [t.op for t in node.inputs] + list(node.control_inputs):
+            if parent is earlier:
+                return True
+            if parent not in seen and index.get(parent, -1) > floor:
+                seen.add(parent)
+                stack.append(parent)
+    return False
 
 
 def _transposed(tensor, cache):

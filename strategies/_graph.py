@@ -20,6 +20,7 @@ from tfscale.strategies._partition import (
     graph_config,
     layer_bytes,
     layer_params,
+    tensor_histories,
     tensor_specs,
 )
 
@@ -72,32 +73,6 @@ def tensor_label(key):
     return f"{layer if node == 0 else f'{layer}#{node}'}:{index}"
 
 
-def _history(value):
-    if isinstance(value, dict) and value.get("class_name") == "__keras_tensor__":
-        return tuple(value["config"]["keras_history"])
-    return None
-
-
-def _tensor_inputs(node):
-    """The `(layer, node, tensor)` of every tensor argument of a serialized node, in order."""
-    found = []
-
-    def visit(value):
-        key = _history(value)
-        if key is not None:
-            found.append(key)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
-        elif isinstance(value, dict):
-            for v in value.values():
-                visit(v)
-
-    visit(node.get("args", []))
-    visit(node.get("kwargs", {}))
-    return tuple(found)
-
-
 def calls_of(model):
     """The calls of a functional `model`'s graph in a topological order (config order when free).
 
@@ -113,7 +88,7 @@ def calls_of(model):
             "tensor_parallel."
         )
     pending = [
-        Call(entry["name"], k, _tensor_inputs(node))
+        Call(entry["name"], k, tuple(tensor_histories(node)))
         for entry in config["layers"]
         if entry["class_name"] != "InputLayer"
         for k, node in enumerate(entry["inbound_nodes"])

@@ -26,6 +26,7 @@ __all__ = [
     "layer_bytes",
     "layer_params",
     "partition",
+    "tensor_histories",
     "tensor_producers",
     "tensor_specs",
 ]
@@ -97,21 +98,14 @@ def graph_config(model):
     return None
 
 
-def _history(arg):
-    """The producing layer's name of a serialized KerasTensor, or None for a constant."""
-    if isinstance(arg, dict) and arg.get("class_name") == "__keras_tensor__":
-        return arg["config"]["keras_history"][0]
-    return None
-
-
-def tensor_producers(node):
-    """The producing layer names of every tensor argument of a serialized node."""
+def tensor_histories(node):
+    """The `keras_history` (layer, node, tensor) of every tensor argument of a serialized node,
+    in argument order; constants are skipped."""
     found = []
 
     def visit(value):
-        name = _history(value)
-        if name is not None:
-            found.append(name)
+        if isinstance(value, dict) and value.get("class_name") == "__keras_tensor__":
+            found.append(tuple(value["config"]["keras_history"]))
         elif isinstance(value, (list, tuple)):
             for v in value:
                 visit(v)
@@ -122,6 +116,11 @@ def tensor_producers(node):
     visit(node.get("args", []))
     visit(node.get("kwargs", {}))
     return found
+
+
+def tensor_producers(node):
+    """The producing layer names of every tensor argument of a serialized node."""
+    return [history[0] for history in tensor_histories(node)]
 
 
 def _functional_chain(model, config):

@@ -99,6 +99,22 @@ def test_chain_in_creation_order_adds_control_edges_between_contractions():
     assert last is products[1] and products[1].control_inputs == [products[0]]
 
 
+def test_chain_adds_no_edge_where_the_data_already_orders_two_contractions():
+    """A layer's MatMul with a control fan-in is left unfused by grappler (MatMul+BiasAdd+tanh
+    in plain Keras's graph is one kernel); float16 rounds the two differently."""
+    spec = tf.TensorSpec((2, 2), tf.float32)
+
+    def layers_then_a_branch(a, b):
+        hidden = tf.tanh(tf.nn.bias_add(tf.matmul(a, b), [1.0, 2.0]))
+        return tf.matmul(hidden, b), tf.matmul(b, b)  # the first reads `hidden`; the second not
+
+    graph = _graph_of(layers_then_a_branch, spec, spec)
+    _, second, branch = [op for op in graph.get_operations() if op.type == "MatMul"]
+    last = tf_graph_edit.chain_in_creation_order(graph.get_operations())
+    assert last is branch
+    assert second.control_inputs == [] and branch.control_inputs == [second]
+
+
 def test_pretranspose_rewrites_transpose_b_and_keeps_the_product():
     a = np.arange(6, dtype="float32").reshape(3, 2)
     w = np.array([[1.0, 2.0], [3.0, 5.0]], "float32")

@@ -188,7 +188,7 @@ class _Batch:
             # The gate's results depend on every created contraction (`_needed`), so the last
             # one joins the gate only where there are no results: a control fan-out on it would
             # keep grappler from fusing it with its BiasAdd and activation as plain Keras's graph
-            # does, and float16 rounds the two differently (tests/test_pipeline_keras_equivalence).
+            # does, and float16 rounds the two differently (`REGRESSIONS`, tests/test_equivalence.py).
             if not self.done[step]["gate"] and last is not None:
                 self.done[step]["gate"] = [last]
 

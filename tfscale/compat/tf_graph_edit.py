@@ -57,7 +57,8 @@ def available():
 
 
 def chain_in_creation_order(operations):
-    """Adds control edges so that the contractions among `operations` run one at a time.
+    """Adds control edges so that the contractions among `operations` run one at a time,
+    where their data does not already order them (`_depends_on`).
 
     They run in creation order, a topological order of the graph (an op is created after
     its inputs); every added edge points from an earlier to a later op, so no cycle forms.
@@ -80,10 +81,11 @@ def _depends_on(op, earlier, index):
     """True when `op` reads `earlier`'s result through ops among `index` (made after it).
 
     Such a pair needs no control edge: the data already orders it (the layers of a forward
-    pass). An edge there would cost a fusion, too: grappler's remapper fuses no contraction
-    that has a control fan-in with its BiasAdd and activation (`_FusedMatMul`), as it does
-    in plain Keras's graph, and under float16 a fused and an unfused layer round
-    differently (Adam + mixed_float16 ended 0.03 off; tests/test_pipeline_keras_equivalence.py).
+    pass). An edge there also cost a fusion: with it, grappler's remapper left a stage's
+    MatMul+BiasAdd+activation unfused where plain Keras's graph runs one `_FusedMatMul`
+    (TF 2.21, seen with `TF_CPP_VMODULE=remapper=2`), and under float16 a fused and an
+    unfused layer round differently (Adam + mixed_float16 ended 0.03 off;
+    `REGRESSIONS` in tests/test_equivalence.py).
     """
     floor, seen, stack = index[earlier], set(), [op]
     while stack:

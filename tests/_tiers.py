@@ -66,13 +66,7 @@ FULL_RUN_ONLY = {
     "test_backup_resume_with_dropout_equals_the_uninterrupted_run[layer]": (
         "tests/test_data_parallel_keras_equivalence.py::test_dropout_draws_the_one_device_masks[layer]"
     ),
-    # ZeRO, communication, timing: the cheapest case of each stays.
-    "tests/test_zero.py::test_zero_trains_to_one_device_and_stage_0_weights[sgd_momentum-plain-4-2]": (
-        "tests/test_zero.py::test_zero_trains_to_one_device_and_stage_0_weights[sgd_momentum-plain-2-1]"
-    ),
-    "tests/test_zero.py::test_zero_trains_to_one_device_and_stage_0_weights[adam-clipnorm-2-1]": (
-        "tests/test_zero.py::test_zero_trains_to_one_device_and_stage_0_weights[sgd_momentum-plain-2-1]"
-    ),
+    # Communication, timing: the cheapest case of each stays (ZeRO: FAST_REPRESENTATIVES).
     "tests/test_communication.py::test_bytes_per_pack_splits_the_all_reduce_into_launches": (
         "tests/test_communication.py::test_compression_sends_half_the_bytes[None-float32-1.0]"
     ),

@@ -212,6 +212,24 @@ def test_kill_and_resume_through_the_launcher_ends_with_the_uninterrupted_weight
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow  # 2 binary runs; fast tier: test_zero's in-process kill-and-resume cases
+def test_zero_job_sigkilled_then_resumed_on_more_replicas_ends_with_the_one_device_weights(
+    one_device, data_dir, tmp_path
+):
+    # ZeRO-1 on 2 replicas SIGKILLs itself after global step 13 (backups every 5); the restart
+    # runs on 4 replicas, so each optimizer slot is cut into 4 shards instead of 2 on load.
+    model_dir, backup_dir = str(tmp_path / "model"), str(tmp_path / "backup")
+    args = [*QUICK, "--strategy=mirrored", "--zero_stage=1", f"--data_dir={data_dir}"]
+    args += [f"--model_dir={model_dir}", f"--backup_dir={backup_dir}", "--backup_freq=5"]
+    killed = _train_cli(*args, "--cpu_replicas=2", "--fail_at_step=13")
+    assert killed.returncode == -9, (killed.stdout + killed.stderr)[-3000:]
+    resumed = _train_cli(*args, "--cpu_replicas=4")
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert "(epoch 0, step 10; global step 10)" in resumed.stdout + resumed.stderr
+    for got, want in zip(_weights(model_dir), _weights(one_device.model_path.rsplit("/", 1)[0]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

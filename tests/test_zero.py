@@ -1,6 +1,7 @@
 """ZeRO stages 1-2 (`zero_stage=`) train to plain Keras's weights; slots are 1/N; bad input refused."""
 
 import math
+import re
 
 import keras
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 import tfscale.callbacks
 import tfscale.strategies
+from tfscale.compat import keras_optimizer_zero
 from tfscale.compat.keras_optimizer_zero import ZeroError
 from tfscale.strategies import StrategyError
 
@@ -15,6 +17,7 @@ from tfscale.strategies import StrategyError
 # full suite only (conftest.py, `FAST_REPRESENTATIVES`).
 FAST_REPRESENTATIVES = {
     "test_zero_trains_to_one_device_and_stage_0_weights": 1,  # SGD with momentum, 2 replicas
+    "test_zero_job_killed_mid_epoch_resumes_exactly_on_any_number_of_replicas": 2,  # 4 -> 4, 4 -> 2
 }
 
 
@@ -124,16 +127,95 @@ def test_unshardable_optimizer_is_refused_before_a_step(make):
         np.testing.assert_array_equal(a, b)
 
 
-def test_backup_of_a_zero_job_is_refused_before_a_step(tmp_path):
-    # Each replica holds its own optimizer shard; a backup would keep one and restore it onto all.
-    strategy = tfscale.strategies.get("mirrored", cpu_replicas=2, zero_stage=1)
+class _RaiseAfterBatches(keras.callbacks.Callback):
+    # Counts batches, not updates (FailAt counts `optimizer.iterations`, which under
+    # gradient accumulation advances once per update): so it can stop between micro-steps.
+    def __init__(self, batches):
+        super().__init__()
+        self.left = batches
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.left -= 1
+        if self.left == 0:
+            raise tfscale.callbacks.InjectedFault(f"after batch {batch}")
+
+
+def _fit_with_backup(strategy, backup_dir, make_optimizer, fail_at=None):
+    """3 epochs of 4 batches under `strategy`, backed up every batch; `fail_at`: raise after that many."""
+    keras.utils.set_random_seed(0)
+    x = np.random.RandomState(0).randn(32, 5).astype("float32")
+    y = np.random.RandomState(1).randn(32, 3).astype("float32")
     with strategy.scope():
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7)])
-        model.compile(keras.optimizers.Adam(), "mse")
-    before = model.get_weights()
-    backup = tfscale.callbacks.BackupAndRestore(str(tmp_path / "backup"))
-    with pytest.raises(ZeroError, match=r"^BackupAndRestore cannot back up a zero_stage=1 job yet: [^\n]*$"):
-        model.fit(np.ones((4, 5)), np.ones((4, 7)), callbacks=[backup], verbose=0)
-    for a, b in zip(model.get_weights(), before):
-        np.testing.assert_array_equal(a, b)
-    assert not (tmp_path / "backup").exists() or not any((tmp_path / "backup").iterdir())
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(3)]
+        )
+        model.compile(make_optimizer(), loss="mse")
+    callbacks = []
+    if backup_dir is not None:
+        callbacks.append(tfscale.callbacks.BackupAndRestore(str(backup_dir), save_freq=1))
+    if fail_at is not None:
+        callbacks.append(_RaiseAfterBatches(fail_at))
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
+    return model, callbacks[0] if callbacks else None
+
+
+def _optimizer_state(model):
+    """Every optimizer variable's whole value by name (a ZeRO slot's shards put together)."""
+    optimizer = model.optimizer
+    out = {}
+    for v in optimizer.variables:
+        if keras_optimizer_zero.is_derived(optimizer, v):
+            continue
+        shape = keras_optimizer_zero.full_shape(optimizer, v)
+        value = (
+            v.numpy()
+            if shape is None
+            else keras_optimizer_zero.join_shards(
+                [c.numpy() for c in keras_optimizer_zero.components(v)], shape
+            )
+        )
+        out[re.sub(r"_[0-9]+(?=_|/|$)", "", v.path)] = value
+    return out
+
+
+# (stage and optimizer of the job that is killed, replicas before -> after the restart).
+# Stage 2 with accumulation is killed after step 5: between the two micro-steps of an update.
+# 0 replicas: plain Keras on one device (the default strategy).
+RESUME_CASES = [
+    (1, "adam_ema", 4, 4),
+    (1, "adam_ema", 4, 2),
+    (2, "adamw_accumulation", 4, 2),
+    (2, "adamw_accumulation", 2, 1),
+    (1, "adam_ema", 2, 0),  # resumed as plain Keras on one device
+    (1, "adam_ema", 0, 2),  # plain Keras's backup resumed under ZeRO
+]
+RESUME_OPTIMIZERS = {
+    "adam_ema": lambda: keras.optimizers.Adam(0.05, use_ema=True, clipnorm=0.5),
+    "adamw_accumulation": lambda: keras.optimizers.AdamW(0.05, gradient_accumulation_steps=2),
+}
+
+
+@pytest.mark.parametrize(("stage", "opt", "before", "after"), RESUME_CASES)
+def test_zero_job_killed_mid_epoch_resumes_exactly_on_any_number_of_replicas(
+    tmp_path, stage, opt, before, after
+):
+    make = RESUME_OPTIMIZERS[opt]
+    reference, _ = _fit_with_backup(tfscale.strategies.get("default"), None, make)
+
+    def strategy(replicas):
+        if replicas == 0:
+            return tfscale.strategies.get("default")
+        return tfscale.strategies.get("mirrored", cpu_replicas=replicas, zero_stage=stage)
+
+    with pytest.raises(tfscale.callbacks.InjectedFault):
+        _fit_with_backup(strategy(before), tmp_path, make, fail_at=5)
+    resumed, backup = _fit_with_backup(strategy(after), tmp_path, make)
+    assert backup.restored_from["global_step"] == 5  # it resumed, it did not start again
+    updates = 12 // (make().gradient_accumulation_steps or 1)
+    assert int(resumed.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == updates
+    for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+    theirs, ours = _optimizer_state(reference), _optimizer_state(resumed)
+    assert sorted(theirs) == sorted(ours)
+    for name in theirs:
+        np.testing.assert_allclose(ours[name], theirs[name], atol=ATOL, rtol=0, err_msg=name)

@@ -119,10 +119,6 @@ def _group_by_device(variables):
     return list(local.items()), list(other.items())
 
 
-def _signature(variables):
-    return [[v.path, list(v.shape), str(v.dtype)] for v in variables]
-
-
 def _structural_name(path):
     # "adam_1/sequential_3_dense_7_kernel" -> "adam/sequential_dense_kernel": Keras numbers
     # unnamed layers by how many were built before in the process, which a restart changes.
@@ -308,7 +304,24 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _variables(self):
         optimizer = self.model.optimizer
-        return list(self.model.variables), list(optimizer.variables) if optimizer is not None else []
+        if optimizer is None:
+            return list(self.model.variables), []
+        # A ZeRO job's parameter shards are rewritten from the parameters at every step.
+        opt_vars = [v for v in optimizer.variables if not keras_optimizer_zero.is_derived(optimizer, v)]
+        return list(self.model.variables), opt_vars
+
+    def _shape(self, variable):
+        """The shape a backup holds `variable` at: a ZeRO slot's whole variable's, not its shard's."""
+        optimizer = self.model.optimizer
+        full = keras_optimizer_zero.full_shape(optimizer, variable) if optimizer is not None else None
+        return list(variable.shape if full is None else full)
+
+    def _is_zero_slot(self, variable):
+        optimizer = self.model.optimizer
+        return optimizer is not None and keras_optimizer_zero.full_shape(optimizer, variable) is not None
+
+    def _signature(self, variables):
+        return [[v.path, self._shape(v), str(v.dtype)] for v in variables]
 
     def _saved_variables(self):
         """Everything a backup holds, in order: the model's, the optimizer's, the metrics'."""
@@ -336,11 +349,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             "step": self._step,
             "global_step": self._global_step,
             "input": {"iterators_made": made, "live": live, "batches_taken": taken},
-            "model": _signature(model_vars),
+            "model": self._signature(model_vars),
             "optimizer": type(self.model.optimizer).__name__ if self.model.optimizer else None,
-            "optimizer_variables": _signature(opt_vars),
+            "optimizer_variables": self._signature(opt_vars),
             # The epoch's metric state so far: a mid-epoch resume puts it back (`_backup_metrics`).
-            "metric_variables": _signature(_backup_metrics.metric_variables(self.model)),
+            "metric_variables": self._signature(_backup_metrics.metric_variables(self.model)),
             "saved_by": self._task.task_label,
             "job_id": self.job_id,
             "time": time.time(),
@@ -360,7 +373,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         """
         read_local, placed = self._snapshot_function()
         # `Tensor.numpy()` copies (documented); asarray only turns scalars into 0-d arrays.
-        values = [np.asarray(t.numpy()) for t in read_local()]
+        read = iter([np.asarray(t.numpy()) for t in read_local()])
+        # A ZeRO slot is read as its replicas' shards, each from its own device, and put
+        # together here on the host (`_snapshot_function`).
+        values = [
+            next(read)
+            if shape is None
+            else keras_optimizer_zero.join_shards([next(read) for _ in range(n)], shape)
+            for shape, n in self._parts
+        ]
         shards, start = [], 0
         for device, indices in self._layout[0]:
             shards.append(NpzShard(device, indices, values[start : start + len(indices)]))
@@ -377,7 +398,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         key = tuple(id(v) for v in variables)
         if key != self._read_key:
             local, other = _group_by_device(variables)
-            values = [variables[i].value for _, indices in local for i in indices]
+            values, self._parts = [], []
+            for i in (i for _, indices in local for i in indices):
+                shape = self._shape(variables[i]) if self._is_zero_slot(variables[i]) else None
+                parts = keras_optimizer_zero.components(variables[i]) if shape else [variables[i].value]
+                values += parts
+                self._parts.append((shape, len(parts)))
             self._read_fn = _quiet_tracing(tf.function(lambda: [tf.identity(v) for v in values]))
             # Traced and run once now, not in the first backup's step: the first call of a
             # traced function also instantiates it (~60 ms for a 280k-parameter MLP).
@@ -478,14 +504,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                 raise self._mismatch(backup, f"{len(saved)} {kind}s in the backup, {len(current)} here")
             for i, ((name, shape, dtype), v) in enumerate(zip(saved, current)):
                 if (
-                    shape != list(v.shape)
+                    shape != self._shape(v)
                     or dtype != str(v.dtype)
                     or _structural_name(name) != _structural_name(v.path)
                 ):
                     raise self._mismatch(
                         backup,
                         f"{kind} {i} is {name!r:.80} {tuple(shape)} {dtype:.20} in the backup, "
-                        f"{v.path!r} {tuple(v.shape)} {v.dtype} here",
+                        f"{v.path!r} {tuple(self._shape(v))} {v.dtype} here",
                     )
 
     def _mismatch(self, backup, detail):
@@ -553,7 +579,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         model_vars, opt_vars = self._variables()
         count = len(model_vars) + len(opt_vars)
         for v, value in zip(model_vars + opt_vars, backup.arrays[:count], strict=True):
-            v.assign(value)
+            if self._is_zero_slot(v):  # cut into this job's shards, however many replicas
+                keras_optimizer_zero.assign_full(v, value)
+            else:
+                v.assign(value)
         self._epoch, self._step, self._global_step = meta["epoch"], meta["step"], meta["global_step"]
         self._last_saved = self._global_step
         if self._tracker is not None:
@@ -635,7 +664,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
 
     def on_train_begin(self, logs=None):
-        _refuse_zero_sharded(self.model.distribute_strategy)
         if getattr(self, "_preemption", None) is not None:
             self._preemption.close()  # left by a `fit` that raised (no `on_train_end`)
             self._preemption = None
@@ -751,15 +779,3 @@ class BackupAndRestore(keras.callbacks.Callback):
                 os.rmdir(self.backup_dir)  # only if that left it empty
             except OSError:
                 pass
-
-
-def _refuse_zero_sharded(strategy):
-    """A ZeRO job's replicas each hold a different shard of the optimizer state: a backup
-    written the usual way keeps one replica's shard and restores it onto all (not exact)."""
-    stage = keras_optimizer_zero.stage_of(strategy)
-    if stage:
-        raise keras_optimizer_zero.ZeroError(
-            f"BackupAndRestore cannot back up a zero_stage={stage} job yet: each replica holds its own "
-            "shard of the optimizer state and the backup would keep only one. Expected zero_stage=0 "
-            "with BackupAndRestore."
-        )

@@ -30,16 +30,34 @@ exact classes, not subclasses); anything else is refused before the first step.
 Gradients that arrive as `tf.IndexedSlices` (an `Embedding`) are refused too: Keras's
 sparse update rules square the rows before adding repeated ones, which a dense shard
 cannot reproduce.
+
+Backups (`tfscale.callbacks.BackupAndRestore`) hold each sharded slot whole, at its
+variable's shape and under the name Keras gives it at stage 0 (`full_shape`,
+`read_full`), and leave out the parameter shards (`is_derived`: rewritten from the
+parameter at every step). So a backup does not depend on the number of replicas or the
+stage: `assign_full` cuts it into this job's shards on restore.
 """
 
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfscale.errors import Error
 
-__all__ = ["ATTRIBUTE", "SHARDABLE", "ZeroError", "set_stage", "stage_of"]
+__all__ = [
+    "ATTRIBUTE",
+    "SHARDABLE",
+    "ZeroError",
+    "assign_full",
+    "components",
+    "full_shape",
+    "is_derived",
+    "join_shards",
+    "set_stage",
+    "stage_of",
+]
 
 ATTRIBUTE = "_tfscale_zero_stage"
 SHARDABLE = (
@@ -114,7 +132,9 @@ def _new_variable(optimizer, reference, name, initializer, shard):
 def add_sharded_slot(optimizer, reference, name, initializer, stage):
     """A slot of `reference` kept as 1/N flattened shards, one per replica (see module doc)."""
     check_optimizer(optimizer, stage)
-    state = optimizer.__dict__.setdefault(_STATE, {"stage": stage, "params": {}, "sharded": set()})
+    state = optimizer.__dict__.setdefault(
+        _STATE, {"stage": stage, "params": {}, "sharded": set(), "shapes": {}}
+    )
     shard = _shard_size(reference, _num_replicas(optimizer))
     key = optimizer._var_key(reference)
     if key not in state["params"]:
@@ -123,6 +143,7 @@ def add_sharded_slot(optimizer, reference, name, initializer, stage):
         state["sharded"].add(id(param))
     variable = _new_variable(optimizer, reference, name, initializer, shard)
     state["sharded"].add(id(variable))
+    state["shapes"][id(variable)] = tuple(reference.shape)
     return variable
 
 
@@ -305,3 +326,42 @@ def overwrite_with_average_value(optimizer, trainable_variables):
     for var, average in zip(trainable_variables, optimizer._model_variables_moving_average):
         if average is not None:
             var.assign(full_value(average, var) if is_sharded(optimizer, average) else average)
+
+
+# --- backups: each sharded slot whole, at its variable's shape ---------------------------
+
+
+def is_derived(optimizer, variable):
+    """True for a parameter shard: rewritten from the parameter at every step, so a backup
+    leaves it out (and a backup of a stage-0 job lines up with one of a ZeRO job)."""
+    params = getattr(optimizer, _STATE, {}).get("params", {})
+    return any(variable is p for p in params.values())
+
+
+def full_shape(optimizer, variable):
+    """The shape of the variable a sharded slot belongs to; None for any other variable."""
+    return getattr(optimizer, _STATE, {}).get("shapes", {}).get(id(variable))
+
+
+def components(variable):
+    """A sharded variable's per-replica parts, in replica order (each on its own device)."""
+    return list(variable.value.values)
+
+
+def join_shards(arrays, shape):
+    """The whole value from every replica's shard (host arrays, replica order): padding dropped."""
+    flat = np.concatenate([np.reshape(a, [-1]) for a in arrays])
+    return flat[: math.prod(shape)].reshape(shape)
+
+
+def assign_full(variable, value):
+    """Cuts a whole value into this job's shards: replica r's part gets elements
+    `[r * shard, (r + 1) * shard)` of the flattened value, zero-padded at the end."""
+    parts = components(variable)
+    shard = parts[0].shape.num_elements()
+    flat = np.reshape(np.asarray(value), [-1])
+    if flat.size > shard * len(parts):
+        raise ValueError(f"{flat.size} elements do not fit {len(parts)} shards of {shard}")
+    flat = np.pad(flat, [(0, shard * len(parts) - flat.size)])
+    for r, part in enumerate(parts):
+        part.assign(flat[r * shard : (r + 1) * shard])

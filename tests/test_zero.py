@@ -18,6 +18,7 @@ from tfscale.strategies import StrategyError
 FAST_REPRESENTATIVES = {
     "test_zero_trains_to_one_device_and_stage_0_weights": 1,  # SGD with momentum, 2 replicas
     "test_zero_job_killed_mid_epoch_resumes_exactly_on_any_number_of_replicas": 2,  # 4 -> 4, 4 -> 2
+    "test_an_embedding_seeing_a_token_twice_trains_to_one_device_weights": 1,  # Adam, stage 1
 }
 
 
@@ -69,6 +70,36 @@ def test_zero_trains_to_one_device_and_stage_0_weights(opt, option, replicas, st
     for a, b, c in zip(zero, one, stage0):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
         np.testing.assert_allclose(a, c, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(("opt", "stage"), [("adam", 1), ("adagrad", 2), ("rmsprop", 1), ("adamw", 2)])
+def test_an_embedding_seeing_a_token_twice_trains_to_one_device_weights(opt, stage):
+    # Its gradient is IndexedSlices with a repeated row: Keras's update squares each row
+    # before adding them (Adam's velocity), so a shard must keep them apart too.
+    make = {
+        "adam": lambda: keras.optimizers.Adam(0.05),
+        "adagrad": lambda: keras.optimizers.Adagrad(0.5, clipnorm=0.1),
+        "rmsprop": lambda: keras.optimizers.RMSprop(0.05, global_clipnorm=0.1),
+        "adamw": lambda: keras.optimizers.AdamW(0.05, gradient_accumulation_steps=2),
+    }[opt]
+    tokens = np.array([[1, 1, 3, 5], [2, 7, 7, 7], [4, 4, 4, 4], [0, 6, 6, 1]] * 4, "int32")
+    y = np.random.RandomState(1).randn(16, 3).astype("float32")
+
+    def fit(strategy):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential(
+                [keras.Input((4,), dtype="int32"), keras.layers.Embedding(8, 5),
+                 keras.layers.Flatten(), keras.layers.Dense(3)]
+            )  # fmt: skip
+            model.compile(make(), loss="mse")
+        model.fit(tokens, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    one = fit(tfscale.strategies.get("default"))
+    zero = fit(tfscale.strategies.get("mirrored", cpu_replicas=2, zero_stage=stage))
+    for a, b in zip(zero, one, strict=True):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
 
 
 def test_optimizer_bytes_per_replica_are_one_nth_plus_padding():

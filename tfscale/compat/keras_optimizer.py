@@ -217,7 +217,10 @@ def _apply_accumulating_sharded(optimizer, grads, variables):
         step.update(step.clip_shards([t / steps for t in totals], variables), variables)
         step.gather(variables)
 
-    _accumulate(optimizer, step.shard_gradients(_reduce(optimizer, grads), variables), variables, apply)
+    shards = step.shard_gradients(_reduce(optimizer, grads), variables)
+    # Keras adds a sparse gradient into its accumulator densely: so do the shards.
+    shards = [tf.convert_to_tensor(s) if isinstance(s, tf.IndexedSlices) else s for s in shards]
+    _accumulate(optimizer, shards, variables, apply)
 
 
 def _apply_accumulating(optimizer, grads, variables):
@@ -302,6 +305,24 @@ def _make_overwrite_with_average_value(original):
     return _overwrite_model_variables_with_average_value
 
 
+def _make_save_own_variables(original):
+    def save_own_variables(self, store):
+        if not zero.has_shards(self):
+            return original(self, store)
+        return zero.save_own_variables(self, store)
+
+    return save_own_variables
+
+
+def _make_load_own_variables(original):
+    def load_own_variables(self, store):
+        if not zero.has_shards(self) or not zero.load_own_variables(self, store):
+            return original(self, store)  # (counts that differ: Keras warns and loads nothing)
+        return None
+
+    return load_own_variables
+
+
 def _make_loss_scale_tf_apply(original):
     def _tf_apply(self, grads, trainable_variables=None):
         if not _active():
@@ -350,8 +371,9 @@ def apply():
         return True
     if not needed():
         return False
-    tf_optimizer, _, loss_scale_optimizer = _modules()
+    tf_optimizer, base_optimizer, loss_scale_optimizer = _modules()
     cls, lso = tf_optimizer.TFOptimizer, loss_scale_optimizer.LossScaleOptimizer
+    base = base_optimizer.BaseOptimizer
     originals = {
         (cls, "_backend_apply_gradients"): cls._backend_apply_gradients,
         (cls, "_backend_update_step"): cls._backend_update_step,
@@ -369,6 +391,13 @@ def apply():
     cls._overwrite_model_variables_with_average_value = _make_overwrite_with_average_value(
         cls._overwrite_model_variables_with_average_value
     )
+    # On the base class: LossScaleOptimizer, which wraps a TFOptimizer, inherits them too.
+    for name, make in (
+        ("save_own_variables", _make_save_own_variables),
+        ("load_own_variables", _make_load_own_variables),
+    ):
+        originals[base, name] = getattr(base, name)
+        setattr(base, name, make(getattr(base, name)))
     _state["originals"] = originals
     _state["applied"] = True
     return True

@@ -27,9 +27,12 @@ the strategy (`set_stage`), `keras_optimizer`'s patched methods call this module
 
 Only elementwise update rules shard exactly; `SHARDABLE` lists the classes checked (the
 exact classes, not subclasses); anything else is refused before the first step.
-Gradients that arrive as `tf.IndexedSlices` (an `Embedding`) are refused too: Keras's
-sparse update rules square the rows before adding repeated ones, which a dense shard
-cannot reproduce.
+Gradients that arrive as `tf.IndexedSlices` (an `Embedding`) stay sparse: Keras's update
+rules treat a row that occurs twice as two rows (Adam squares each before they are added),
+so a shard gets the elements of the summed slices that fall in its range, each as its own
+entry, in order (`_slice_sparse`), and the update rule runs on those as Keras runs it on
+the rows. Clipping then happens before slicing (Keras's own `_clip_gradients`, also at
+stage 2), and stage 2's accumulators add them densely (as Keras's do).
 
 Backups (`tfscale.callbacks.BackupAndRestore`) hold each sharded slot whole, at its
 variable's shape and under the name Keras gives it at stage 0 (`full_shape`,
@@ -53,10 +56,15 @@ __all__ = [
     "assign_full",
     "components",
     "full_shape",
+    "has_shards",
     "is_derived",
     "join_shards",
+    "load_own_variables",
+    "save_own_variables",
+    "saved_variables",
     "set_stage",
     "stage_of",
+    "whole_value",
 ]
 
 ATTRIBUTE = "_tfscale_zero_stage"
@@ -157,11 +165,30 @@ def _replica():
     return context, context.replica_id_in_sync_group, context.num_replicas_in_sync
 
 
-def _slice(tensor, num_replicas, replica_id):
-    flat = tf.reshape(tf.convert_to_tensor(tensor), [-1])
-    shard = max(1, math.ceil(flat.shape.num_elements() / num_replicas))
-    padded = tf.pad(flat, [[0, shard * num_replicas - flat.shape.num_elements()]])
+def _slice(tensor, size, num_replicas, replica_id):
+    """Replica `replica_id`'s shard of a `size`-element tensor. `size` is the variable's: a
+    gradient's static shape can be unknown (e.g. out of LossScaleOptimizer's `tf.cond`)."""
+    flat = tf.reshape(tf.convert_to_tensor(tensor), [size])
+    shard = max(1, math.ceil(size / num_replicas))
+    padded = tf.pad(flat, [[0, shard * num_replicas - size]])
     return tf.reshape(padded, [num_replicas, shard])[replica_id]
+
+
+def _slice_sparse(slices, shape, num_replicas, replica_id):
+    """Replica `replica_id`'s shard of a sparse gradient of a variable of `shape`: an
+    `IndexedSlices` over the shard's elements, one entry per element of each row it got
+    (repeated rows stay repeated, in order)."""
+    size = shape.num_elements()
+    row = size // shape[0]
+    shard = max(1, math.ceil(size / num_replicas))
+    values = tf.reshape(slices.values, [-1])
+    first = tf.cast(slices.indices, tf.int64)[:, None] * row
+    flat = tf.reshape(first + tf.range(row, dtype=tf.int64)[None, :], [-1])
+    low = tf.cast(replica_id, tf.int64) * shard
+    keep = (flat >= low) & (flat < low + shard)
+    return tf.IndexedSlices(
+        tf.boolean_mask(values, keep), tf.boolean_mask(flat, keep) - low, tf.constant([shard], tf.int64)
+    )
 
 
 def _gather(launcher, options, shards, references, *, replica_id, num_replicas):
@@ -213,15 +240,6 @@ def _clip_shards(optimizer, shards, sharded, reduce_sum):
     return shards
 
 
-def _refuse_sparse(grads, variables):
-    for g, v in zip(grads, variables):
-        if isinstance(g, tf.IndexedSlices):
-            raise ZeroError(
-                f"zero_stage>0 cannot shard the sparse (IndexedSlices) gradient of `{v.path}` (an "
-                "Embedding): Keras's update of repeated rows is not elementwise. Expected zero_stage=0."
-            )
-
-
 class Step:
     """One replica's ZeRO update inside a traced step (see the module doc)."""
 
@@ -241,18 +259,23 @@ class Step:
     def param_shard(self, variable):
         return self.params.get(self.optimizer._var_key(variable))
 
-    def slice(self, tensor):
-        return _slice(tensor, self.num_replicas, self.replica_id)
+    def slice(self, tensor, variable):
+        """This replica's shard of `tensor`, a value of `variable` or of its gradient."""
+        if isinstance(tensor, tf.IndexedSlices):
+            return _slice_sparse(tensor, variable.shape, self.num_replicas, self.replica_id)
+        return _slice(tensor, variable.shape.num_elements(), self.num_replicas, self.replica_id)
 
     def shard_gradients(self, reduced, variables):
-        """This replica's slices of summed gradients (dense; None stays None)."""
-        _refuse_sparse(reduced, variables)
-        return [self.slice(g) if self.param_shard(v) is not None else g for g, v in zip(reduced, variables)]
+        """This replica's slices of summed gradients (sparse stays sparse; None stays None)."""
+        return [
+            self.slice(g, v) if self.param_shard(v) is not None else g for g, v in zip(reduced, variables)
+        ]
 
     def clipped_shards(self, reduced, variables):
         """Clipped shards of summed gradients: stage 1 clips before slicing (Keras's own
-        `_clip_gradients`), stage 2 after (norms summed over the replicas' shards)."""
-        if active(self.optimizer) >= 2:
+        `_clip_gradients`), stage 2 after (norms summed over the replicas' shards), except
+        with a sparse gradient (Keras's norms of those count a repeated row twice)."""
+        if active(self.optimizer) >= 2 and not any(isinstance(g, tf.IndexedSlices) for g in reduced):
             return self.clip_shards(self.shard_gradients(reduced, variables), variables)
         return self.shard_gradients(self.optimizer._clip_gradients(reduced), variables)
 
@@ -272,7 +295,7 @@ class Step:
             if shard is None:  # No slots (SGD without momentum): nothing to shard.
                 targets.append(variable)
                 continue
-            shard.assign(self.slice(variable))
+            shard.assign(self.slice(variable, variable))
             targets.append(shard)
         # Through the optimizer's own `_backend_update_step` (keras_optimizer makes it the
         # local loop): Nadam advances its `_u_product` there, once a step.
@@ -331,16 +354,61 @@ def overwrite_with_average_value(optimizer, trainable_variables):
 # --- backups: each sharded slot whole, at its variable's shape ---------------------------
 
 
+def _bookkeeping(optimizer):
+    """The ZeRO state of `optimizer`, or of the optimizer a LossScaleOptimizer wraps ({} if none)."""
+    for o in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if o is not None and _STATE in o.__dict__:
+            return o.__dict__[_STATE]
+    return {}
+
+
+def has_shards(optimizer):
+    """True for an optimizer (or a LossScaleOptimizer around one) with ZeRO-sharded slots."""
+    return bool(_bookkeeping(optimizer))
+
+
 def is_derived(optimizer, variable):
     """True for a parameter shard: rewritten from the parameter at every step, so a backup
     leaves it out (and a backup of a stage-0 job lines up with one of a ZeRO job)."""
-    params = getattr(optimizer, _STATE, {}).get("params", {})
-    return any(variable is p for p in params.values())
+    return any(variable is p for p in _bookkeeping(optimizer).get("params", {}).values())
 
 
 def full_shape(optimizer, variable):
     """The shape of the variable a sharded slot belongs to; None for any other variable."""
-    return getattr(optimizer, _STATE, {}).get("shapes", {}).get(id(variable))
+    return _bookkeeping(optimizer).get("shapes", {}).get(id(variable))
+
+
+def saved_variables(optimizer):
+    """`optimizer.variables` as Keras has them at stage 0: the parameter shards left out."""
+    return [v for v in optimizer.variables if not is_derived(optimizer, v)]
+
+
+def whole_value(optimizer, variable):
+    """`variable`'s value as stage 0 holds it (a sharded slot's shards put together), on the host."""
+    shape = full_shape(optimizer, variable)
+    if shape is None:
+        return variable.numpy()
+    return join_shards([c.numpy() for c in components(variable)], shape)
+
+
+def save_own_variables(optimizer, store):
+    """Keras's `save_own_variables` in stage 0's layout: `model.save` files load anywhere."""
+    for i, variable in enumerate(saved_variables(optimizer)):
+        store[str(i)] = whole_value(optimizer, variable)
+
+
+def load_own_variables(optimizer, store):
+    """Keras's `load_own_variables` from stage 0's layout, each slot cut into this job's shards.
+    False (nothing loaded) where the counts differ, for Keras's own warning."""
+    variables = saved_variables(optimizer)
+    if len(store.keys()) != len(variables):
+        return False
+    for i, variable in enumerate(variables):
+        if full_shape(optimizer, variable) is None:
+            variable.assign(store[str(i)])
+        else:
+            assign_full(variable, store[str(i)])
+    return True
 
 
 def components(variable):

@@ -32,9 +32,9 @@ Tiers (one process, 4 logical CPUs from tests/conftest.py, references shared by 
               They are pairwise cases themselves (one aside): a full run runs each once.
     pairwise  `pytest tests/test_equivalence.py -m slow` (in `.ci/run`): a pairwise cover,
               every pair of values of any two dimensions in at least one case (`pairwise`,
-              fixed seed; 378 cases: the 267 of the first values, then 77, 17 and 17 for
+              fixed seed; 412 cases: the 267 of the first values, then 77, 17, 17 and 34 for
               the pairs of the values added later (ADDED_ROUNDS: issue 24's, `zb-v`, the
-              `graph` family), appended so that no earlier case changed (a
+              `graph` family, the ZeRO stages), appended so that no earlier case changed (a
               cover made afresh would have 303); ~13 min on a quiet 2-core machine: too slow for the
               5-minute fast tier, measured, so it is the CI gate). Cases with a known open
               difference are strict xfails in tests/test_equivalence.py (`KNOWN`), each with
@@ -78,7 +78,9 @@ CI_CASES = 60  # measured ~14 s a case on 2 cores shared by 8 jobs; ~4 s estimat
 BATCH, SAMPLES, EPOCHS = 8, 16, 2
 
 PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-MODES = (*PIPELINES, "layer", "tensor", "mirrored")
+ZERO = ("zero1", "zero2")  # mirrored with zero_stage=1 / 2 (issue 26)
+REPLICATED = ("mirrored", *ZERO)  # TensorFlow's MirroredStrategy, 2 replicas: the model is not split
+MODES = (*PIPELINES, "layer", "tensor", "mirrored", *ZERO)
 OPTIMIZERS = (
     "sgd", "sgd_momentum", "sgd_nesterov", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax",
     "nadam", "ftrl", "lion", "adafactor", "lamb", "muon", "loss_scale",
@@ -114,6 +116,7 @@ ADDED_ROUNDS = (
     },
     {"mode": ("zb-v",)},  # the ZB-V schedule (issue 30)
     {"layer": ("graph",)},  # a functional graph, not a chain: the layer split cuts it (issue 25)
+    {"mode": ZERO},  # ZeRO stages 1 and 2 on mirrored (issue 26)
 )
 ADDED = {n: tuple(v for r in ADDED_ROUNDS for v in r.get(n, ())) for r in ADDED_ROUNDS for n in r}
 
@@ -136,12 +139,12 @@ class Case:
 def valid(assignment):
     """Whether a (partial) {dimension: value} assignment names a runnable configuration."""
     mode, m, dp = assignment.get("mode"), assignment.get("m"), assignment.get("dp")
-    if mode in ("layer", "tensor", "mirrored") and m not in (None, 1):
+    if mode in ("layer", "tensor", *REPLICATED) and m not in (None, 1):
         return False  # M is a pipeline's
     if mode == "interleaved" and m not in (None, 2):
         return False  # interleaved needs M a multiple of S = 2
-    if mode == "mirrored" and dp not in (None, 2):
-        return False  # the reference mode: cpu_replicas=2
+    if mode in REPLICATED and dp not in (None, 2):
+        return False  # cpu_replicas=2
     return True
 
 
@@ -613,8 +616,10 @@ def _strategy(case):
             virtual_stages=2 if case.mode in ("interleaved", "zb-v") else 1,
             data_parallel=case.dp,
         )
-    if case.mode == "mirrored":
-        return strategies.get("mirrored", cpu_replicas=2)
+    if case.mode in REPLICATED:
+        return strategies.get(
+            "mirrored", cpu_replicas=2, zero_stage=ZERO.index(case.mode) + 1 if case.mode in ZERO else 0
+        )
     return strategies.get(
         "model_split", num_devices=2, tensor_parallel=case.mode == "tensor", data_parallel=case.dp
     )
@@ -698,7 +703,7 @@ def _run_case(case, tamper):
     model, before, steps = None, None, []
     try:
         strategy = _strategy(case)
-        if case.mode == "mirrored":
+        if case.mode in REPLICATED:
             with strategy.scope():
                 model = _fresh(case.layer)
             scope, merged = strategy.scope, lambda: model
@@ -708,7 +713,7 @@ def _run_case(case, tamper):
         before = model.get_weights()
 
         def respawn():  # a restarted job: the same mode, a new model from the seed
-            if case.mode == "mirrored":
+            if case.mode in REPLICATED:
                 with strategy.scope():
                     again = _fresh(case.layer)
                 return _Watched(again, tamper, lambda: steps.append(1)), lambda: again
@@ -842,6 +847,8 @@ def mode_label(case):
         return f"pipeline {case.mode} M={case.m} D={case.dp}"
     if case.mode == "mirrored":
         return "mirrored (2 replicas, reference)"
+    if case.mode in ZERO:
+        return f"mirrored zero_stage={case.mode[-1]} (2 replicas)"
     return f"{case.mode} split D={case.dp}"
 
 

@@ -35,6 +35,8 @@ KNOWN = {
     "mirrored-1-2-muon-accumulation-dropout-predict": _DROPOUT,
     "mirrored-1-2-sgd-global_clipnorm-dropout-save_load_weights": _DROPOUT,
     "mirrored-1-2-adamw-none-dropout-backup_resume": _DROPOUT,
+    # zero_stage=1 runs on MirroredStrategy: the same Dropout masks as mirrored (above).
+    "zero1-1-2-sgd_nesterov-accumulation-dropout-sample_weight": _DROPOUT,
 }
 
 

@@ -306,19 +306,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         if optimizer is None:
             return list(self.model.variables), []
-        # A ZeRO job's parameter shards are rewritten from the parameters at every step.
-        opt_vars = [v for v in optimizer.variables if not keras_optimizer_zero.is_derived(optimizer, v)]
-        return list(self.model.variables), opt_vars
+        # Without a ZeRO job's parameter shards (rewritten from the parameters at every step).
+        return list(self.model.variables), keras_optimizer_zero.saved_variables(optimizer)
+
+    def _full_shape(self, variable):
+        """A ZeRO slot's whole variable's shape (what a backup holds); None for any other variable."""
+        optimizer = self.model.optimizer
+        return None if optimizer is None else keras_optimizer_zero.full_shape(optimizer, variable)
 
     def _shape(self, variable):
-        """The shape a backup holds `variable` at: a ZeRO slot's whole variable's, not its shard's."""
-        optimizer = self.model.optimizer
-        full = keras_optimizer_zero.full_shape(optimizer, variable) if optimizer is not None else None
+        full = self._full_shape(variable)
         return list(variable.shape if full is None else full)
-
-    def _is_zero_slot(self, variable):
-        optimizer = self.model.optimizer
-        return optimizer is not None and keras_optimizer_zero.full_shape(optimizer, variable) is not None
 
     def _signature(self, variables):
         return [[v.path, self._shape(v), str(v.dtype)] for v in variables]
@@ -400,8 +398,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             local, other = _group_by_device(variables)
             values, self._parts = [], []
             for i in (i for _, indices in local for i in indices):
-                shape = self._shape(variables[i]) if self._is_zero_slot(variables[i]) else None
-                parts = keras_optimizer_zero.components(variables[i]) if shape else [variables[i].value]
+                shape = self._full_shape(variables[i])
+                parts = (
+                    keras_optimizer_zero.components(variables[i])
+                    if shape is not None
+                    else [variables[i].value]
+                )
                 values += parts
                 self._parts.append((shape, len(parts)))
             self._read_fn = _quiet_tracing(tf.function(lambda: [tf.identity(v) for v in values]))
@@ -579,7 +581,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         model_vars, opt_vars = self._variables()
         count = len(model_vars) + len(opt_vars)
         for v, value in zip(model_vars + opt_vars, backup.arrays[:count], strict=True):
-            if self._is_zero_slot(v):  # cut into this job's shards, however many replicas
+            if self._full_shape(v) is not None:  # cut into this job's shards, however many replicas
                 keras_optimizer_zero.assign_full(v, value)
             else:
                 v.assign(value)

@@ -36,7 +36,7 @@ stage 2), and stage 2's accumulators add them densely (as Keras's do).
 
 Backups (`tfscale.callbacks.BackupAndRestore`) hold each sharded slot whole, at its
 variable's shape and under the name Keras gives it at stage 0 (`full_shape`,
-`read_full`), and leave out the parameter shards (`is_derived`: rewritten from the
+`join_shards`, `whole_value`), and leave out the parameter shards (`is_derived`: rewritten from the
 parameter at every step). So a backup does not depend on the number of replicas or the
 stage: `assign_full` cuts it into this job's shards on restore.
 """
@@ -141,7 +141,7 @@ def add_sharded_slot(optimizer, reference, name, initializer, stage):
     """A slot of `reference` kept as 1/N flattened shards, one per replica (see module doc)."""
     check_optimizer(optimizer, stage)
     state = optimizer.__dict__.setdefault(
-        _STATE, {"stage": stage, "params": {}, "sharded": set(), "shapes": {}}
+        _STATE, {"stage": stage, "params": {}, "sharded": set(), "shapes": {}, "derived": set()}
     )
     shard = _shard_size(reference, _num_replicas(optimizer))
     key = optimizer._var_key(reference)
@@ -149,6 +149,7 @@ def add_sharded_slot(optimizer, reference, name, initializer, stage):
         param = _new_variable(optimizer, reference, "zero_shard", "zeros", shard)
         state["params"][key] = param
         state["sharded"].add(id(param))
+        state["derived"].add(id(param))
     variable = _new_variable(optimizer, reference, name, initializer, shard)
     state["sharded"].add(id(variable))
     state["shapes"][id(variable)] = tuple(reference.shape)
@@ -370,7 +371,7 @@ def has_shards(optimizer):
 def is_derived(optimizer, variable):
     """True for a parameter shard: rewritten from the parameter at every step, so a backup
     leaves it out (and a backup of a stage-0 job lines up with one of a ZeRO job)."""
-    return any(variable is p for p in _bookkeeping(optimizer).get("params", {}).values())
+    return id(variable) in _bookkeeping(optimizer).get("derived", ())
 
 
 def full_shape(optimizer, variable):

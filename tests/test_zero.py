@@ -19,6 +19,7 @@ FAST_REPRESENTATIVES = {
     "test_zero_trains_to_one_device_and_stage_0_weights": 1,  # SGD with momentum, 2 replicas
     "test_zero_job_killed_mid_epoch_resumes_exactly_on_any_number_of_replicas": 2,  # 4 -> 4, 4 -> 2
     "test_an_embedding_seeing_a_token_twice_trains_to_one_device_weights": 1,  # Adam, stage 1
+    "test_another_models_backup_is_refused_whole_between_zero_and_plain_jobs": 2,
 }
 
 
@@ -250,3 +251,50 @@ def test_zero_job_killed_mid_epoch_resumes_exactly_on_any_number_of_replicas(
     assert sorted(theirs) == sorted(ours)
     for name in theirs:
         np.testing.assert_allclose(ours[name], theirs[name], atol=ATOL, rtol=0, err_msg=name)
+
+
+# Another model's backup, each way it can differ: refused in one line, nothing loaded.
+OTHER_MODELS = {
+    "wider": (lambda: [keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)], "adam"),
+    "deeper": (lambda: [keras.layers.Dense(7), keras.layers.Dense(7), keras.layers.Dense(3)], "adam"),
+    "optimizer": (lambda: [keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(3)], "rmsprop"),
+    "slots": (lambda: [keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(3)], "amsgrad"),
+}
+_OTHER_OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.05),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.05),
+    "amsgrad": lambda: keras.optimizers.Adam(0.05, amsgrad=True),
+}
+
+
+@pytest.mark.parametrize("other", sorted(OTHER_MODELS))
+@pytest.mark.parametrize("into_zero", [True, False])
+def test_another_models_backup_is_refused_whole_between_zero_and_plain_jobs(tmp_path, other, into_zero):
+    x = np.random.RandomState(0).randn(16, 5).astype("float32")
+    y = np.random.RandomState(1).randn(16, 3).astype("float32")
+    zero = tfscale.strategies.get("mirrored", cpu_replicas=2, zero_stage=1)
+    plain = tfscale.strategies.get("default")
+
+    def build(strategy, layers, opt):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((5,)), *layers])
+            model.compile(_OTHER_OPTIMIZERS[opt](), loss="mse")
+        return model
+
+    def fit(model, *extra):
+        backup = tfscale.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=1)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[backup, *extra])
+
+    layers, opt = OTHER_MODELS[other]
+    with pytest.raises(tfscale.callbacks.InjectedFault):  # the other model's job, backed up at step 1
+        fit(build(plain if into_zero else zero, layers(), opt), _RaiseAfterBatches(1))
+    saved = sorted(p.name for p in (tmp_path / "backup").iterdir())
+    model = build(zero if into_zero else plain, OTHER_MODELS["optimizer"][0](), "adam")
+    before = model.get_weights()
+    with pytest.raises(tfscale.callbacks.BackupMismatchError, match=r"was made by a different model") as info:
+        fit(model)
+    assert "\n" not in str(info.value)
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert sorted(p.name for p in (tmp_path / "backup").iterdir()) == saved  # the user's backup kept

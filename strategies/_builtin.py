@@ -19,7 +19,7 @@ from tfscale import compat
 from tfscale._auto import choose as _choose_auto
 from tfscale._auto import tpu_named as _tpu_named
 from tfscale.cluster import ClusterSpec
-from tfscale.compat import collective_keys, keras_batch_norm, keras_multi_worker
+from tfscale.compat import collective_keys, keras_batch_norm, keras_multi_worker, keras_random_layers
 from tfscale.strategies import _communication, _zero
 from tfscale.strategies._devices import (
     cpu_device_names,
@@ -86,6 +86,7 @@ def _mirrored(options):
     cross_device_ops = options.cross_device_ops
     zero_stage = _zero.check_stage(options.zero_stage)
     replica_statistics = check("replica_statistics", options.replica_statistics)
+    replica_random = check("replica_random", options.replica_random)
     communication = _communication.Communication(
         gradient_compression=options.gradient_compression,
         bytes_per_pack=options.bytes_per_pack,
@@ -134,6 +135,8 @@ def _mirrored(options):
     _zero.configure(strategy, zero_stage)
     # BatchNormalization: the global batch's statistics unless asked (tfscale/compat/keras_batch_norm.py).
     keras_batch_norm.keep_replica_statistics(strategy, replica_statistics)
+    # Dropout: one device's masks unless asked (tfscale/compat/keras_random_layers.py).
+    keras_random_layers.keep_replica_random(strategy, replica_random)
     return strategy
 
 
@@ -142,6 +145,7 @@ def _multi_worker(options, cluster):
     cluster_resolver, cpu_replicas = options.cluster_resolver, options.cpu_replicas
     check("communication", communication)
     replica_statistics = check("replica_statistics", options.replica_statistics)
+    replica_random = check("replica_random", options.replica_random)
     cluster_timeout = check_cluster_timeout(options.cluster_timeout)
     if timeout_seconds is not None:
         check("timeout_seconds", timeout_seconds)
@@ -168,6 +172,8 @@ def _multi_worker(options, cluster):
     )
     _communication.configure(strategy, **dataclasses.asdict(gradients))
     keras_batch_norm.keep_replica_statistics(strategy, replica_statistics)
+    # Dropout: one device's masks unless asked (tfscale/compat/keras_random_layers.py).
+    keras_random_layers.keep_replica_random(strategy, replica_random)
     return strategy
 
 

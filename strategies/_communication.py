@@ -12,7 +12,7 @@ import dataclasses
 import tensorflow as tf
 
 from tfscale import _strategy_spec as _spec
-from tfscale.compat import keras_batch_norm, keras_loss_denominator, tf_communication
+from tfscale.compat import keras_batch_norm, keras_loss_denominator, keras_random_layers, tf_communication
 from tfscale.strategies._options import check
 
 __all__ = ["COMPRESSIONS", "IMPLEMENTATIONS", "Communication", "configure", "of"]
@@ -95,11 +95,11 @@ def of(strategy):
 
 
 def _other_launch(name):
-    """Whether op `name` is the loss's or BatchNormalization's own launch, not a gradient's.
+    """Whether op `name` is the loss's, BatchNormalization's or Dropout's own launch, not a gradient's.
 
     A name scope entered again in one graph is made unique with a suffix (`..._1`).
     """
-    scopes = (keras_loss_denominator.NAME_SCOPE, keras_batch_norm.NAME_SCOPE)
+    scopes = (keras_loss_denominator.NAME_SCOPE, keras_batch_norm.NAME_SCOPE, keras_random_layers.NAME_SCOPE)
     return any(part == s or part.startswith(s + "_") for part in name.split("/") for s in scopes)
 
 
@@ -112,7 +112,8 @@ def traced_all_reduces(graph):
     branches (the fp16 overflow fallback) live in branch functions and are not
     counted: they run only on the steps that take that branch. Nor are the loss's own
     (a few scalars per loss term, `tfscale.compat.keras_loss_denominator`) and a trainable
-    BatchNormalization's (its moments, `tfscale.compat.keras_batch_norm`).
+    BatchNormalization's (its moments, `tfscale.compat.keras_batch_norm`), nor a random
+    layer's (the replicas' row counts, `tfscale.compat.keras_random_layers`).
     """
     launches = []
     for op in graph.get_operations():

@@ -28,7 +28,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfscale.compat import keras_weight_decay
+from tfscale.compat import keras_random_layers, keras_weight_decay
 from tfscale.strategies import _gradients
 from tfscale.strategies._devices import device_key
 from tfscale.strategies._errors import StrategyError
@@ -327,18 +327,14 @@ def _draw_as_whole_batch(layer, index, count):
         if training is None or (isinstance(training, bool) and not training):
             return call(inputs, training=training, **kwargs)
         rows = tf.shape(inputs)[0]
-        rest = tf.shape(inputs)[1:]
         micro, micros = _MICROBATCH[-1] if _MICROBATCH else (0, 1)
         n = tf.cast(_BATCH_ROWS[-1], rows.dtype) if _BATCH_ROWS else count * micros * rows
         offset, mine = _share(n, index, count)
         offset += _share(mine, micro, micros)[0]
         _same_seed_each_microbatch(layer, micro, first_seed)
-        before = tf.zeros(tf.concat([[offset], rest], 0), inputs.dtype)
-        after = tf.zeros(tf.concat([[n - offset - rows], rest], 0), inputs.dtype)
-        outputs = call(tf.concat([before, inputs, after], 0), training=training, **kwargs)
-        mine = outputs[offset : offset + rows]
-        mine.set_shape(inputs.shape)
-        return mine
+        return keras_random_layers.run_on_rows(
+            lambda whole: call(whole, training=training, **kwargs), inputs, offset, n
+        )
 
     setattr(whole_batch, _WHOLE_BATCH, True)
     # Layers track the attributes they are given; a bound method is not state, so bypass that.

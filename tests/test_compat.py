@@ -66,6 +66,7 @@ STRATEGY_PLUMBING = {
     "tfscale.compat.tf_communication.attach",
     "tfscale.compat.keras_optimizer_zero.set_stage",
     "tfscale.compat.keras_batch_norm.keep_replica_statistics",
+    "tfscale.compat.keras_random_layers.keep_replica_random",
 }
 
 
@@ -140,7 +141,8 @@ def test_keras_compat_shim_applies_the_fixes_get_applies_for_mirrored_and_multi_
 
     fixes = {"tfscale.compat." + name for name in ("keras_multi_worker.apply", "keras_optimizer.apply",
                                                     "keras_loss_denominator.apply",
-                                                    "keras_batch_norm.apply")}  # fmt: skip
+                                                    "keras_batch_norm.apply",
+                                                    "keras_random_layers.apply")}  # fmt: skip
     assert fixes <= set(shimmed)
     assert set(mirrored) - STRATEGY_PLUMBING == set(shimmed)
     assert set(multi_worker) - STRATEGY_PLUMBING == set(shimmed)
@@ -168,11 +170,17 @@ def test_keras_compat_shim_prints_one_line_and_lets_the_program_run_when_a_fix_f
 
 
 def test_apply_strategy_fixes_puts_every_data_parallel_fix_in_effect():
-    """All four data-parallel fixes, and the iterator parking still in effect after them: the
+    """All five data-parallel fixes, and the iterator parking still in effect after them: the
     multi-worker fix replaces `_maybe_symbolic_build`, so a process's first `get("mirrored")`
     used to drop the parking `get` had applied just before (until the next `get`)."""
     applied = tfscale.compat.apply_strategy_fixes()
-    assert applied == {"multi_worker": True, "optimizer": True, "loss": True, "batch_norm": True}
+    assert applied == {
+        "multi_worker": True,
+        "optimizer": True,
+        "loss": True,
+        "batch_norm": True,
+        "random_layers": True,
+    }
     from keras.src.backend.tensorflow import trainer
 
     build = trainer.TensorFlowTrainer._maybe_symbolic_build

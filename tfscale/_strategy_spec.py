@@ -140,6 +140,9 @@ class MirroredOptions:
     # True: each replica's trainable BatchNormalization normalises its slice by the slice's
     # statistics (Keras's own behaviour); False: by the global batch's, as on one device.
     replica_statistics: bool = False
+    # True: each replica's Dropout (GaussianNoise, ...) draws its own numbers for its slice
+    # (Keras's own behaviour, cheaper); False: the numbers one device draws for the batch.
+    replica_random: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +157,7 @@ class MultiWorkerOptions:
     bytes_per_pack: int = MirroredOptions.bytes_per_pack
     cluster_timeout: float = DEFAULT_CLUSTER_TIMEOUT
     replica_statistics: bool = MirroredOptions.replica_statistics
+    replica_random: bool = MirroredOptions.replica_random
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,6 +343,7 @@ RULES = {
         lambda v: _number(v) and 0 < v < math.inf, "a positive, finite number of seconds"
     ),
     "replica_statistics": Rule(lambda v: isinstance(v, bool), "True or False"),
+    "replica_random": Rule(lambda v: isinstance(v, bool), "True or False"),
 }
 
 

@@ -11,7 +11,9 @@ The sets of fixes each strategy needs live here, once, so their users cannot dri
   all-reduce, gradient accumulation, the strategy's options), `apply_loss_fixes()` (mean
   losses over the global batch: uneven last batch, masks, sample weights) and
   `keras_batch_norm.apply()` (a trainable BatchNormalization normalises by the global
-  batch's statistics, unless the strategy keeps per-replica ones).
+  batch's statistics, unless the strategy keeps per-replica ones) and
+  `keras_random_layers.apply()` (Dropout and the other random layers draw one device's
+  numbers, unless the strategy keeps per-replica draws).
   `get("mirrored" | "multi_worker")` (and `"auto"` when it picks one of them) applies it,
   and so does `tfscale-launch --keras_compat` in programs that build their own strategy;
   call it once yourself for a strategy you build by hand.
@@ -25,6 +27,7 @@ from tfscale.compat import (
     keras_loss_denominator,
     keras_multi_worker,
     keras_optimizer,
+    keras_random_layers,
     keras_steps_per_execution,
     keras_symbolic_build,
     tf_custom_gradient,
@@ -64,8 +67,8 @@ def apply_strategy_fixes():
     build yourself.
 
     Returns:
-        {name: True if that fix is in effect, False if not needed here} for the four
-        data-parallel fixes ("multi_worker", "optimizer", "loss", "batch_norm").
+        {name: True if that fix is in effect, False if not needed here} for the five
+        data-parallel fixes ("multi_worker", "optimizer", "loss", "batch_norm", "random_layers").
     """
     # `fit` under MWMS; also uneven per-replica batches under MirroredStrategy. First: it
     # replaces the trainer's `_maybe_symbolic_build`, which the iterator parking then wraps.
@@ -73,5 +76,6 @@ def apply_strategy_fixes():
     applied["optimizer"] = keras_optimizer.apply()  # Clip after the all-reduce; accumulation.
     applied["loss"] = keras_loss_denominator.apply()  # Mean losses over the global batch.
     applied["batch_norm"] = keras_batch_norm.apply()  # BatchNormalization: the global batch's moments.
+    applied["random_layers"] = keras_random_layers.apply()  # Dropout: one device's masks.
     apply_every_strategy_fixes()
     return applied

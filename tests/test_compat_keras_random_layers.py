@@ -151,6 +151,7 @@ def _launches():
     )
 
 
+@pytest.mark.slow  # 16 s, four runs; fast tier: test_mirrored_matches_one_device and the stock run
 def test_one_replica_and_replica_random_launch_nothing_and_draw_as_keras():
     with _launches() as launched:
         alone = _train(get("mirrored", cpu_replicas=1), "layers")

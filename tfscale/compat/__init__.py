@@ -50,8 +50,9 @@ def apply_every_strategy_fixes():
     # Each traced train step would otherwise keep its graph for the process's life (TF's
     # custom-gradient registry; see there): a notebook or a sweep training model after model.
     tf_custom_gradient.release_with_graph()
-    # Every `fit` under a strategy would drop a live distributed iterator at once (a TF
-    # teardown race that segfaults now and then; see there). Wraps the trainer's current
+    # Every `fit` under a strategy would make a distributed iterator only to read one batch's
+    # shapes and drop it live (a TF teardown race that segfaults now and then, and teardowns
+    # that stalled later fits; see there): built from the specs instead. Wraps the trainer's current
     # `_maybe_symbolic_build`, so it must run after `keras_multi_worker.apply()` replaces it.
     keras_symbolic_build.keep_first_input_iterator()
     keras_symbolic_build.park_interrupted_inputs()

@@ -17,27 +17,24 @@ next fit (this module's first form, ~60 ms later), 0 of 2 x 2,000 fits side by s
 as below, 0 of 2 x 2,000 (beside a full pytest run). In this suite it killed an xdist
 worker in 2 of the last 3 full runs (tests/test_hostile_backup.py, 53 such fits in a test).
 
-`keep_first_input_iterator()` parks that iterator in a module list instead, and the
-start of a later `fit` under a strategy frees the ones parked at least a second before
-(their buffers long full, their background threads waiting), in that fit's thread: a
-teardown can wait about a second for TensorFlow's background threads, and that wait keeps
-the parked iterators from piling up (`_release_parked`: a reaper thread that freed them
-while the fits went on fell behind in CI, by 60 iterators and 1,600 threads). Never in a garbage
-collection: kept per model, a model in a reference cycle took its iterator into one, and
-the teardown then stalled that collection for seconds (tests/_gc_probe.py). A parked
-iterator is never read again; the batches `fit` trains on come from the iterators Keras
-makes afterwards, exactly as before. Cost: the iterators of the last second's fits stay
-alive until the next fit (their prefetch buffers, a couple of batches each). Kept only
-for array and `tf.data` inputs, where a longer-lived iterator cannot change what later
-iterators yield; a Python generator or `PyDataset` input is left as Keras has it (its
-iterator pulls from the user's own source).
+`keep_first_input_iterator()` makes no such iterator: for array and `tf.data` inputs it
+builds the model from the distributed dataset's `element_spec` (one replica's specs: shapes
+and dtypes are all `_symbolic_build` reads; the batch dimension is None, as a functional
+model's `Input` has it), so nothing is torn down live. Its first form parked that iterator
+in a module list and freed it at a later `fit`; those teardowns wait for TensorFlow's
+background threads, and they stalled later fits: a fast-tier run spent 182 s of its ~700
+worker-seconds in them, one fit 119 s (`_release_parked` timed per call). A Python
+generator or `PyDataset` input is left as Keras has it (its iterator pulls from the user's
+own source, and the specs of its first batch are not known before it is read).
 A `fit` that raises mid-epoch (a callback, an interrupt, a bad batch) leaves its live
 iterator in Keras's own cycle (`EpochIterator._epoch_iterator`, a generator whose frame
 holds the epoch iterator; tests/test_compat_backup.py), and only a garbage collection
 tears it down, live, with the same race, and slowly: in this suite such collections
 stalled for up to 77 s (tests/_gc_probe.py). `park_interrupted_inputs()` wraps
 `TensorFlowTrainer.fit`: when it raises, each epoch iterator that fit made (training and
-validation) has its current iterator parked as above and its generator dropped, which
+validation) has its current iterator parked (kept in a module list; the start of a later
+strategy `fit` frees those parked at least a second before, in its thread: such a teardown
+can still stall that fit, as above) and its generator dropped, which
 breaks the cycle, so reference counting frees the rest once the caller drops the
 exception. Measured on tests/test_backup_and_restore.py + tests/test_hostile_backup.py
 (fast tier, one process): time in garbage collection 62 s -> 0.3 s, wall 139 s -> 51 s.
@@ -63,14 +60,14 @@ __all__ = [
 
 CHECKED_ON = ("3.15", "3.15")
 FIXED_IN = None
-_PARKED = []  # (when, iterator): live iterators Keras let go of, freed at a later strategy `fit`
+_PARKED = []  # (when, iterator): live iterators of a raising fit, freed at a later strategy `fit`
 _IDLE_AFTER = 1.0  # seconds parked before an iterator is freed: its buffers are full by then
 _lock = threading.Lock()
 _fits = threading.local()  # .made: per running fit (innermost last), weak refs to its epoch iterators
 
 
 def keep_first_input_iterator():
-    """Parks a strategy `fit`'s symbolic-build iterator until it is idle; False where unsupported."""
+    """A strategy `fit` builds its model from the dataset's specs, no iterator; False where unsupported."""
     try:
         from keras.src.backend.tensorflow import trainer
     except ImportError:
@@ -128,15 +125,32 @@ def _release_parked():
     del idle  # the last references: the teardowns run here, outside the lock
 
 
+def _batch_spec(epoch_iterator):
+    """One replica's batch as `tf.TypeSpec`s (shape and dtype: all `_symbolic_build` reads),
+    from the distributed dataset's `element_spec`, or None where it has none."""
+    import tensorflow as tf
+
+    spec = getattr(getattr(epoch_iterator, "_distributed_dataset", None), "element_spec", None)
+    if spec is None:
+        return None
+
+    def one_replica(leaf):
+        per_replica = getattr(leaf, "_value_specs", None)  # values.PerReplicaSpec
+        return per_replica[0] if per_replica else leaf
+
+    batch = tf.nest.map_structure(one_replica, spec)
+    leaves = tf.nest.flatten(batch)
+    return batch if all(hasattr(v, "shape") and hasattr(v, "dtype") for v in leaves) else None
+
+
 def _kept(original):
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         _release_parked()
-        result = original(self, iterator=iterator, data_batch=data_batch)
-        current = getattr(iterator, "_current_iterator", None)
-        if current is not None and _replayable(iterator):
-            with _lock:
-                _PARKED.append((time.monotonic(), current))  # Keras's reset() drops it next
-        return result
+        if iterator is not None and data_batch is None and _replayable(iterator):
+            batch = _batch_spec(iterator)
+            if batch is not None:  # No iterator made, so none to tear down.
+                return original(self, iterator=None, data_batch=batch)
+        return original(self, iterator=iterator, data_batch=data_batch)
 
     _maybe_symbolic_build._tfscale_kept = True
     _maybe_symbolic_build.__wrapped__ = original

@@ -35,7 +35,7 @@ from tfscale.strategies._errors import StrategyError
 from tfscale.strategies._options import check
 from tfscale.strategies._placement import place_slots_with_variables, variable_device
 
-__all__ = ["Replicas", "check_data_parallel", "draw_as_whole_batch", "group_devices"]
+__all__ = ["Replicas", "check_data_parallel", "draw_as_whole_batch", "draws_in_training", "group_devices"]
 
 # Layers whose training output draws random numbers of the input's shape, row by row.
 RANDOM_LAYERS = (
@@ -205,6 +205,14 @@ class Replicas:
         for optimizer, grads, variables in zip(self.optimizers, gradients, self.variables):
             optimizer.apply_gradients(zip(grads, variables))
 
+    def sync_seeds(self):
+        """Copies replica 0's seed-generator states into the others (after evaluate or
+        predict, which run replica 0 only)."""
+        sources = _seed_states(self._trees[0])
+        for tree in self._trees[1:]:
+            for target, source in zip(_seed_states(tree), sources, strict=True):
+                target.assign(source.value)
+
     def sync(self):
         """Copies replica 0's state (all its variables, and its optimizer's once built) into
         the others: weights, statistics, and the seed-generator states Dropout draws from."""
@@ -219,6 +227,12 @@ class Replicas:
         for optimizer in self.optimizers[1:]:
             for target, source in zip(optimizer.variables, sources):
                 target.assign(source.value if isinstance(source, keras.Variable) else source)
+
+
+def _seed_states(tree):
+    """The seed-generator state variables of the layers in `tree` (random layers, RNN cells)."""
+    generators = [getattr(layer, "seed_generator", None) for layer in tree]
+    return [g.state for g in generators if g is not None]
 
 
 def _own_state(optimizer):
@@ -304,13 +318,26 @@ def draw_as_whole_batch(holders, index, count):
     state as one device's, so in training each of its random layers is run on its rows
     placed in a batch of zeros of the whole batch's size, and keeps its rows of the output:
     the same numbers as one device, bit for bit, for D x the layer's (elementwise) work.
+    An RNN cell's `dropout` / `recurrent_dropout` masks (LSTM, GRU, SimpleRNN: Keras's
+    `DropoutRNNCell`) are drawn the same way, two draws per call of the layer.
     A pipeline runs each layer once per micro-batch (`in_microbatch`): micro-batch i takes
     its rows of the replica's, and draws from the seed state micro-batch 0 drew from, so
     the generator moves once per step, as on one device (M x the work again).
     """
     for layer in layer_tree(holders):
         if isinstance(layer, RANDOM_LAYERS) and not getattr(layer.call, _WHOLE_BATCH, False):
-            _draw_as_whole_batch(layer, index, count)
+            _draw_as_whole_batch(layer, "call", index, count)
+        elif keras_random_layers.is_dropout_cell(layer):
+            if not getattr(layer._create_dropout_mask, _WHOLE_BATCH, False):
+                _draw_as_whole_batch(layer, "_create_dropout_mask", index, count)
+
+
+def draws_in_training(layer):
+    """Whether `layer`'s training forward draws random numbers (a rate that is not zero)."""
+    if isinstance(layer, RANDOM_LAYERS):
+        return bool(getattr(layer, "rate", 1))
+    cell = getattr(layer, "cell", layer)  # an RNN layer (LSTM, GRU, ...) draws through its cell
+    return keras_random_layers.is_dropout_cell(cell) and bool(cell.dropout or cell.recurrent_dropout)
 
 
 def _share(n, index, count):
@@ -319,46 +346,61 @@ def _share(n, index, count):
     return offset, n // count + tf.cast(index < n % count, n.dtype)
 
 
-def _draw_as_whole_batch(layer, index, count):
-    call = layer.call
-    first_seed = []  # the seed state micro-batch 0 of the step being traced drew from
+def _draw_as_whole_batch(layer, method, index, count):
+    """Wraps `layer.<method>` (a layer's `call(inputs, training, ...)`, or a cell's
+    `_create_dropout_mask(step_input, rate)`) to draw on the whole batch's rows."""
+    original = getattr(layer, method)
+    seed = _SeedPerStep(layer)
 
-    def whole_batch(inputs, training=False, **kwargs):
-        if training is None or (isinstance(training, bool) and not training):
-            return call(inputs, training=training, **kwargs)
+    def whole_batch(inputs, *args, **kwargs):
+        if method == "call":
+            training = kwargs.get("training", args[0] if args else False)
+            if training is None or (isinstance(training, bool) and not training):
+                return original(inputs, *args, **kwargs)
         rows = tf.shape(inputs)[0]
         micro, micros = _MICROBATCH[-1] if _MICROBATCH else (0, 1)
         n = tf.cast(_BATCH_ROWS[-1], rows.dtype) if _BATCH_ROWS else count * micros * rows
         offset, mine = _share(n, index, count)
         offset += _share(mine, micro, micros)[0]
-        _same_seed_each_microbatch(layer, micro, first_seed)
+        seed.draw(micro)
         return keras_random_layers.run_on_rows(
-            lambda whole: call(whole, training=training, **kwargs), inputs, offset, n
+            lambda whole: original(whole, *args, **kwargs), inputs, offset, n
         )
 
     setattr(whole_batch, _WHOLE_BATCH, True)
     # Layers track the attributes they are given; a bound method is not state, so bypass that.
-    object.__setattr__(layer, "call", whole_batch)
+    object.__setattr__(layer, method, whole_batch)
 
 
-def _same_seed_each_microbatch(layer, micro, first_seed):
+class _SeedPerStep:
     """Micro-batch 0 notes the seed state it draws from; a later one draws from it again.
 
-    Automatic control dependencies run the reads and assignments of the generator's state
-    in the order they are traced, and a pipeline traces a layer's micro-batches in order.
+    A layer may draw more than once per call (an RNN cell: its input mask, then its
+    recurrent mask): only the first draw of each micro-batch notes or restores the state,
+    and the later ones move on from it as on one device. Automatic control dependencies run
+    the reads and assignments of the generator's state in the order they are traced, and a
+    pipeline traces a layer's micro-batches in order.
     """
-    generator = getattr(layer, "seed_generator", None)  # Dropout(rate=0) has none
-    if generator is None:
-        return
-    if micro == 0:
-        first_seed[:] = [tf.identity(generator.state.value)]
-    elif not first_seed:
-        raise StrategyError(
-            f"Layer {layer.name!r} ran micro-batch {micro} before micro-batch 0 in one step; "
-            "its random numbers would differ from one device's (a tfscale bug: please report it)."
-        )
-    else:
-        generator.state.assign(first_seed[0])
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.first_seed = []  # the seed state micro-batch 0 of the step being traced drew from
+        self.micro = None  # the micro-batch of the last draw traced
+
+    def draw(self, micro):
+        generator = getattr(self.layer, "seed_generator", None)  # Dropout(rate=0) has none
+        first_of_micro, self.micro = micro != self.micro, micro
+        if generator is None or not first_of_micro:
+            return
+        if micro == 0:
+            self.first_seed[:] = [tf.identity(generator.state.value)]
+        elif not self.first_seed:
+            raise StrategyError(
+                f"Layer {self.layer.name!r} ran micro-batch {micro} before micro-batch 0 in one step; "
+                "its random numbers would differ from one device's (a tfscale bug: please report it)."
+            )
+        else:
+            generator.state.assign(self.first_seed[0])
 
 
 def _gather_sparse(index, gradients, devices, summed):
@@ -417,11 +459,39 @@ class SyncedReplicas:
             if getattr(self, "_tfscale_sync_pending", True):
                 replicas.sync()
                 self._tfscale_sync_pending = False
+            elif getattr(self, "_tfscale_seeds_pending", False):
+                replicas.sync_seeds()
+            self._tfscale_seeds_pending = False
             return function(iterator)
 
         synced._tfscale_syncs = True
         self.train_function = synced
         return synced
+
+    def make_test_function(self, force=False):
+        super().make_test_function(force=force)
+        self.test_function = self._moving_seeds(self.test_function)
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        super().make_predict_function(force=force)
+        self.predict_function = self._moving_seeds(self.predict_function)
+        return self.predict_function
+
+    def _moving_seeds(self, function):
+        """`function` (evaluate's or predict's step), noting that it ran: it runs replica 0
+        only, whose seed generators may move (an RNN with dropout draws its masks in
+        inference too, as Keras's `RNN.call` does), so the next training step copies replica
+        0's seed states into the others (`Replicas.sync_seeds`)."""
+        if self._data_parallel().size == 1 or getattr(function, "_tfscale_notes_seeds", False):
+            return function
+
+        def noting(*args, **kwargs):
+            self._tfscale_seeds_pending = True
+            return function(*args, **kwargs)
+
+        noting._tfscale_notes_seeds = True
+        return noting
 
     def set_weights(self, weights):
         super().set_weights(weights)

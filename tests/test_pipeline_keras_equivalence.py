@@ -226,13 +226,25 @@ def _dense_data(samples=16, features=6):
     )
 
 
-@pytest.mark.parametrize("layer", ["Dropout", "BatchNormalization"])
+_STATEFUL = {
+    "Dropout": lambda: keras.layers.Dropout(0.5),
+    "BatchNormalization": keras.layers.BatchNormalization,
+    # An RNN draws its masks through its cell (DropoutRNNCell): refused by the RNN's name.
+    "LSTM": lambda: keras.layers.LSTM(8, dropout=0.3),
+    "GRU": lambda: keras.layers.GRU(8, recurrent_dropout=0.3),
+}
+
+
+@pytest.mark.parametrize("layer", list(_STATEFUL))
 def test_recompute_with_dropout_or_batch_norm_is_refused_in_one_line(layer):
     # The recomputed forward did not always see the first forward's seed and statistics
     # (1 run in 3 off by up to 0.01): refused before anything runs.
     keras.utils.set_random_seed(0)
-    stateful = keras.layers.Dropout(0.5) if layer == "Dropout" else keras.layers.BatchNormalization()
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), stateful, keras.layers.Dense(3)])
+    recurrent = layer in ("LSTM", "GRU")
+    shape = (4, 6) if recurrent else (6,)
+    model = keras.Sequential(
+        [keras.Input(shape), keras.layers.Dense(8), _STATEFUL[layer](), keras.layers.Dense(3)]
+    )
     strategy = tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=1, recompute=True)
     with pytest.raises(StrategyError, match=rf"^Layer '.*' \({layer}\) changes state.*recompute=True"):
         strategy.split(model)
@@ -429,6 +441,7 @@ _MICROBATCHED = {
     "interleaved-M2": {"num_microbatches": 2, "schedule": "interleaved", "virtual_stages": 2},
 }
 FAST_REPRESENTATIVES["test_random_layers_draw_one_devices_numbers_at_several_microbatches"] = 2
+FAST_REPRESENTATIVES["test_an_rnns_dropout_masks_are_one_devices_at_several_microbatches"] = 1
 
 
 @pytest.mark.parametrize("options", list(_MICROBATCHED.values()), ids=list(_MICROBATCHED))
@@ -448,6 +461,31 @@ def test_random_layers_draw_one_devices_numbers_at_several_microbatches(kind, op
         )  # fmt: skip
 
     x, y = _dense_data(samples=22)
+    reference = model()
+    history_ref = _fit(reference, x, y, keras.optimizers.SGD(0.1, momentum=0.9))
+    pipelined = tfscale.strategies.get("pipeline", num_stages=2, **options).split(model())
+    history = _fit(pipelined, x, y, keras.optimizers.SGD(0.1, momentum=0.9))
+    _assert_same(reference, pipelined, history_ref, history, x)
+    _assert_same_weights(reference, pipelined)
+
+
+@pytest.mark.parametrize("options", list(_MICROBATCHED.values()), ids=list(_MICROBATCHED))
+def test_an_rnns_dropout_masks_are_one_devices_at_several_microbatches(options):
+    # An LSTM's cell draws an input mask and a recurrent mask per call (two draws from its
+    # seed generator): each micro-batch (and each data-parallel copy) takes its rows of one
+    # device's two masks. Before, each micro-batch drew masks of its own shape: other masks
+    # than one device's, silently (the equivalence harness's rnn_dropout family found it).
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [keras.Input((4, 3)), keras.layers.Dense(5),
+             keras.layers.LSTM(6, dropout=0.4, recurrent_dropout=0.3),
+             keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
+        )  # fmt: skip
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(22, 4, 3)).astype("float32")
+    y = rng.normal(size=(22, 3)).astype("float32")
     reference = model()
     history_ref = _fit(reference, x, y, keras.optimizers.SGD(0.1, momentum=0.9))
     pipelined = tfscale.strategies.get("pipeline", num_stages=2, **options).split(model())

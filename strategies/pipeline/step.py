@@ -323,12 +323,21 @@ def run_batch(stages, schedule, inputs, loss_fn, virtual_stages=1):
 
 
 def forward_only(stages, inputs, training=False):
-    """The micro-batched forward of inference: each micro-batch flows through the stages."""
+    """The micro-batched forward of inference: each micro-batch flows through the stages.
+
+    Each micro-batch is marked (`in_microbatch`): an RNN cell with dropout draws its masks
+    even in inference (Keras's `RNN.call`, unused there), and one device draws them once per
+    batch; so do the micro-batches, from one seed state (`_replicas.draw_as_whole_batch`).
+    """
     outputs = []
     for i, x in enumerate(inputs):
         y = x
         for stage in stages:
-            with tf.device(stage.device), tf.name_scope(schedules.op_name(Op(stage.index, Kind.FORWARD, i))):
+            with (
+                tf.device(stage.device),
+                tf.name_scope(schedules.op_name(Op(stage.index, Kind.FORWARD, i))),
+                _replicas.in_microbatch(i, len(inputs)),
+            ):
                 y = stage.call(y, training=training)
         outputs.append(y)
     return outputs

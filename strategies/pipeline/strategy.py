@@ -364,9 +364,10 @@ def _refuse_stateful_layers_under_recompute(layers):
     """
     for layer in _replicas.layer_tree(layers):
         trainable_norm = isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-        if trainable_norm or (isinstance(layer, _replicas.RANDOM_LAYERS) and getattr(layer, "rate", 1)):
+        if trainable_norm or _replicas.draws_in_training(layer):
             raise StrategyError(
                 f"Layer {layer.name!r} ({type(layer).__name__}) changes state in its training forward, "
                 "which recompute=True runs twice. Expected recompute=False, or the layer frozen "
-                "(BatchNormalization) or at rate=0 (Dropout-like layers)."
+                "(BatchNormalization) or at rate=0 (Dropout-like layers, an RNN's dropout and "
+                "recurrent_dropout)."
             )

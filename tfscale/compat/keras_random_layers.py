@@ -57,7 +57,16 @@ import tensorflow as tf
 from tfscale.compat import keras_optimizer
 from tfscale.compat.keras_multi_worker import _version_tuple
 
-__all__ = ["CHECKED_ON", "NAME_SCOPE", "apply", "is_applied", "keep_replica_random", "needed", "run_on_rows"]
+__all__ = [
+    "CHECKED_ON",
+    "NAME_SCOPE",
+    "apply",
+    "is_applied",
+    "is_dropout_cell",
+    "keep_replica_random",
+    "needed",
+    "run_on_rows",
+]
 
 CHECKED_ON = ("3.15.1", "2.21.0")
 # The name scope of this fix's all-reduce ops (told apart from the gradients' launches by
@@ -87,6 +96,12 @@ def is_applied():
 def keep_replica_random(strategy, keep=True):
     """Marks `strategy` to keep (or not) Keras's per-replica random draws."""
     setattr(strategy, _KEEP, bool(keep))
+
+
+def is_dropout_cell(layer):
+    """Whether `layer` is an RNN cell that draws `dropout` / `recurrent_dropout` masks
+    through `_create_dropout_mask(step_input, dropout_rate)` (Keras's `DropoutRNNCell`)."""
+    return _gate() and isinstance(layer, _layer_classes()[1])
 
 
 def run_on_rows(function, inputs, offset, total):

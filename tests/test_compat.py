@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import types
 from unittest import mock
 
@@ -519,8 +520,40 @@ def test_a_fit_that_raises_parks_its_live_iterators_and_leaves_no_cycle_for_the_
     del live
     with mock.patch.object(keras_symbolic_build, "_IDLE_AFTER", 0.0):  # idle at once, for the test
         model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    assert [ref() for ref in parked] == [None] * len(parked)  # freed when the next fit started
+    assert keras_symbolic_build.wait_until_freed(timeout_s=60)
+    assert [ref() for ref in parked] == [None] * len(parked)  # freed once the next fit started
     assert all(ref() is None for ref in stop.epoch_iterators)
+
+
+class _SlowToFree:
+    """Stands for a parked iterator whose teardown waits (TensorFlow's background threads)."""
+
+    def __init__(self, release, freed_in):
+        self.release, self.freed_in = release, freed_in
+
+    def __del__(self):
+        self.release.wait(30)
+        self.freed_in.append(threading.current_thread().name)
+
+
+def test_parked_iterators_are_freed_beside_the_next_fit_one_fits_worth_at_a_time(caplog):
+    # A teardown waits, idle, for seconds on a busy machine (tests/_parked_free_repro.py): the
+    # fit that frees them does not wait for it; the next one does, bounded, with a warning.
+    from tfscale.compat import keras_symbolic_build
+
+    release, freed_in = threading.Event(), []
+    keras_symbolic_build.wait_until_freed(timeout_s=60)
+    with keras_symbolic_build._lock:
+        keras_symbolic_build._PARKED.append((0.0, _SlowToFree(release, freed_in)))
+    keras_symbolic_build._release_parked()  # returns with the teardown still waiting
+    assert freed_in == []
+    assert keras_symbolic_build.parked_iterators() == []
+    with caplog.at_level("WARNING", logger="tfscale"):
+        assert not keras_symbolic_build.wait_until_freed(timeout_s=0.2)  # bounded
+    assert "Freeing the input iterators of an interrupted fit has taken over 0 s" in caplog.text
+    release.set()
+    assert keras_symbolic_build.wait_until_freed(timeout_s=60)
+    assert freed_in == ["tfscale-free-parked-iterators"]
 
 
 # --- compat.keras_steps_per_execution: steps_per_execution > 1 on 2+ replicas -------------------

@@ -33,8 +33,9 @@ tears it down, live, with the same race, and slowly: in this suite such collecti
 stalled for up to 77 s (tests/_gc_probe.py). `park_interrupted_inputs()` wraps
 `TensorFlowTrainer.fit`: when it raises, each epoch iterator that fit made (training and
 validation) has its current iterator parked (kept in a module list; the start of a later
-strategy `fit` frees those parked at least a second before, in its thread: such a teardown
-can still stall that fit, as above) and its generator dropped, which
+strategy `fit` hands those parked at least a second before to a thread that frees them,
+one fit's worth at a time: a teardown waits, idle, for TensorFlow's background threads,
+seconds on a busy machine, and the fit goes on meanwhile) and its generator dropped, which
 breaks the cycle, so reference counting frees the rest once the caller drops the
 exception. Measured on tests/test_backup_and_restore.py + tests/test_hostile_backup.py
 (fast tier, one process): time in garbage collection 62 s -> 0.3 s, wall 139 s -> 51 s.
@@ -46,6 +47,7 @@ FIXED_IN: none as of TF 2.21 / Keras 3.15.
 """
 
 import functools
+import logging
 import threading
 import time
 import weakref
@@ -56,6 +58,7 @@ __all__ = [
     "keep_first_input_iterator",
     "park_interrupted_inputs",
     "parked_iterators",
+    "wait_until_freed",
 ]
 
 CHECKED_ON = ("3.15", "3.15")
@@ -63,6 +66,8 @@ FIXED_IN = None
 _PARKED = []  # (when, iterator): live iterators of a raising fit, freed at a later strategy `fit`
 _IDLE_AFTER = 1.0  # seconds parked before an iterator is freed: its buffers are full by then
 _lock = threading.Lock()
+_freeing = {"thread": None}  # the thread freeing the last idle parked iterators (`_release_parked`)
+_FREE_WAIT_S = 120.0  # the most a fit waits for the previous teardown before it goes on
 _fits = threading.local()  # .made: per running fit (innermost last), weak refs to its epoch iterators
 
 
@@ -110,19 +115,53 @@ def parked_iterators():
 def _release_parked():
     """Frees the iterators parked at least _IDLE_AFTER seconds ago. Called at the start of a fit.
 
-    Freed here, in the caller's thread, one fit's worth at a time: a teardown can wait about
-    a second for TensorFlow's background threads (measured: fits under a 2-replica
-    MirroredStrategy on an idle 2-core machine, 0.8-3.6 s in this call in 4 of 24 calls),
-    and that wait is what keeps the parked iterators from piling up. Handed to a reaper
-    thread instead (stop 39), the fits went on while the teardowns ran one by one; in a full
-    test run the fits parked faster than the reaper freed, 60 iterators queued, the worker
-    grew to 1,638 threads (tf.data's, gdb), and each teardown then took over 30 s.
+    A teardown waits for TensorFlow's background threads, and on a busy machine that wait is
+    long and idle: fits under a 2-replica MirroredStrategy, each after a raising fit, beside
+    two busy loops on 2 cores, spent 1.1-3.8 s per teardown with 0.0-0.1 s of CPU
+    (tests/_parked_free_repro.py; alone on a quiet machine, 6 ms at most). So the
+    teardowns run in a thread (`_free`) while the fit goes on, one fit's worth at a time:
+    this call first waits for the previous teardown (`wait_until_freed`). That bound keeps
+    them from piling up: a reaper with a queue (stop 39) fell behind in a full test run, 60
+    iterators queued, the worker grew to 1,638 threads (tf.data's, gdb), and each teardown
+    then took over 30 s. Measured with the busy loops, 25 such fits (`_parked_free_repro.py
+    25 [--inline]`, two runs each): 16.1 / 16.4 s in this call when it tore down in place,
+    0.18 / 2.6 s now (one call waited 2.4 s for the previous teardown); whole run 57 / 55 s
+    -> 43 / 42 s.
     """
     now = time.monotonic()
     with _lock:
         idle = [entry for entry in _PARKED if now - entry[0] >= _IDLE_AFTER]
         _PARKED[:] = [entry for entry in _PARKED if now - entry[0] < _IDLE_AFTER]
-    del idle  # the last references: the teardowns run here, outside the lock
+    if not idle:
+        return
+    wait_until_freed()
+    # Not a daemon: the interpreter's exit waits for the teardown (bounded) rather than
+    # freezing it inside TensorFlow. Its list is the iterators' last reference.
+    thread = threading.Thread(target=_free, args=(idle,), name="tfscale-free-parked-iterators")
+    del idle
+    _freeing["thread"] = thread
+    thread.start()
+
+
+def _free(entries):
+    entries.clear()  # the last references: the teardowns run here, in this thread
+
+
+def wait_until_freed(timeout_s=None):
+    """Waits for the parked iterators being freed (at most `timeout_s`, default 120 s: then
+    logs a warning and goes on). Returns whether none is being freed now."""
+    thread = _freeing["thread"]
+    if thread is None:
+        return True
+    thread.join(_FREE_WAIT_S if timeout_s is None else timeout_s)
+    if thread.is_alive():
+        logging.getLogger("tfscale").warning(
+            "Freeing the input iterators of an interrupted fit has taken over %.0f s (TensorFlow's "
+            "background threads); going on without waiting for it.",
+            _FREE_WAIT_S if timeout_s is None else timeout_s,
+        )
+        return False
+    return True
 
 
 def _batch_spec(epoch_iterator):

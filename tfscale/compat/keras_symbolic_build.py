@@ -46,6 +46,7 @@ exist (checked on Keras 3.15.1 only).
 FIXED_IN: none as of TF 2.21 / Keras 3.15.
 """
 
+import atexit
 import functools
 import logging
 import threading
@@ -68,6 +69,7 @@ _IDLE_AFTER = 1.0  # seconds parked before an iterator is freed: its buffers are
 _lock = threading.Lock()
 _freeing = {"thread": None}  # the thread freeing the last idle parked iterators (`_release_parked`)
 _FREE_WAIT_S = 120.0  # the most a fit waits for the previous teardown before it goes on
+_EXIT_WAIT_S = 30.0  # the most the interpreter's exit waits for a teardown in flight
 _fits = threading.local()  # .made: per running fit (innermost last), weak refs to its epoch iterators
 
 
@@ -135,9 +137,10 @@ def _release_parked():
     if not idle:
         return
     wait_until_freed()
-    # Not a daemon: the interpreter's exit waits for the teardown (bounded) rather than
-    # freezing it inside TensorFlow. Its list is the iterators' last reference.
-    thread = threading.Thread(target=_free, args=(idle,), name="tfscale-free-parked-iterators")
+    # A daemon, so that nothing (SIGTERM's exit included) waits on it unbounded; the
+    # interpreter's exit waits for it up to _EXIT_WAIT_S (`_join_at_exit`) before finalizing
+    # TensorFlow under it. Its list is the iterators' last reference.
+    thread = threading.Thread(target=_free, args=(idle,), name="tfscale-free-parked-iterators", daemon=True)
     del idle
     _freeing["thread"] = thread
     thread.start()
@@ -145,6 +148,11 @@ def _release_parked():
 
 def _free(entries):
     entries.clear()  # the last references: the teardowns run here, in this thread
+
+
+@atexit.register
+def _join_at_exit():
+    wait_until_freed(timeout_s=_EXIT_WAIT_S)
 
 
 def wait_until_freed(timeout_s=None):

@@ -460,6 +460,12 @@ def test_random_layers_draw_one_devices_numbers_at_several_microbatches(kind, op
         )  # fmt: skip
 
     x, y = _dense_data(samples=22)
+    _assert_pipeline_trains_as_keras(model, x, y, options)
+
+
+def _assert_pipeline_trains_as_keras(model, x, y, options):
+    """`model()` trained plain and as a 2-stage pipeline (SGD with momentum): same losses,
+    predictions and weights."""
     reference = model()
     history_ref = _fit(reference, x, y, keras.optimizers.SGD(0.1, momentum=0.9))
     pipelined = tfscale.strategies.get("pipeline", num_stages=2, **options).split(model())
@@ -497,12 +503,7 @@ def test_an_rnns_dropout_masks_are_one_devices_at_several_microbatches(options):
     # last batch is the equivalence harness's (rnn_dropout x uneven_numpy).
     x = rng.normal(size=(16, 3, 3)).astype("float32")
     y = rng.normal(size=(16, 3)).astype("float32")
-    reference = model()
-    history_ref = _fit(reference, x, y, keras.optimizers.SGD(0.1, momentum=0.9))
-    pipelined = tfscale.strategies.get("pipeline", num_stages=2, **options).split(model())
-    history = _fit(pipelined, x, y, keras.optimizers.SGD(0.1, momentum=0.9))
-    _assert_same(reference, pipelined, history_ref, history, x)
-    _assert_same_weights(reference, pipelined)
+    _assert_pipeline_trains_as_keras(model, x, y, options)
 
 
 def test_frozen_or_rate_zero_layers_are_not_refused_at_several_microbatches():

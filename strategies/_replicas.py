@@ -23,6 +23,7 @@ outside training writes them (a restore, `load_weights`, `set_weights`).
 """
 
 import contextlib
+import inspect
 
 import keras
 import numpy as np
@@ -230,9 +231,9 @@ class Replicas:
 
 
 def _seed_states(tree):
-    """The seed-generator state variables of the layers in `tree` (random layers, RNN cells)."""
-    generators = [getattr(layer, "seed_generator", None) for layer in tree]
-    return [g.state for g in generators if g is not None]
+    """The seed-generator state variables of the layers in `tree` (random layers, RNN cells,
+    augmentation layers, a user's layers drawing from generators of their own)."""
+    return [g.state for layer in tree for g in keras_random_layers.seed_generators(layer)]
 
 
 def _own_state(optimizer):
@@ -280,10 +281,11 @@ _BATCH_ROWS = []
 
 
 @contextlib.contextmanager
-def whole_batch_rows(n):
+def whole_batch_rows(n, one_copy=False):
     """While a step is traced: the batch has `n` rows, cut into `count` slices one sample
-    apart, the first `n % count` one larger (`slice_sizes`); random layers find their rows."""
-    _BATCH_ROWS.append(n)
+    apart, the first `n % count` one larger (`slice_sizes`); random layers find their rows.
+    `one_copy`: copy 0 holds all `n` rows (inference runs copy 0 alone)."""
+    _BATCH_ROWS.append((n, one_copy))
     try:
         yield
     finally:
@@ -319,13 +321,18 @@ def draw_as_whole_batch(holders, index, count):
     placed in a batch of zeros of the whole batch's size, and keeps its rows of the output:
     the same numbers as one device, bit for bit, for D x the layer's (elementwise) work.
     An RNN cell's `dropout` / `recurrent_dropout` masks (LSTM, GRU, SimpleRNN: Keras's
-    `DropoutRNNCell`) are drawn the same way, two draws per call of the layer.
+    `DropoutRNNCell`) are drawn the same way, two draws per call of the layer; so are the
+    draws of any other layer with SeedGenerators of its own (augmentation layers, a user's
+    `keras.random` layer: `keras_random_layers.draws_from_own_generators`), in training,
+    or always if its `call` takes no `training`. MixUp and CutMix, which mix rows, are refused.
     A pipeline runs each layer once per micro-batch (`in_microbatch`): micro-batch i takes
     its rows of the replica's, and draws from the seed state micro-batch 0 drew from, so
     the generator moves once per step, as on one device (M x the work again).
     """
     for layer in layer_tree(holders):
-        if isinstance(layer, RANDOM_LAYERS) and not getattr(layer.call, _WHOLE_BATCH, False):
+        own = keras_random_layers.draws_from_own_generators(layer)
+        if (own or isinstance(layer, RANDOM_LAYERS)) and not getattr(layer.call, _WHOLE_BATCH, False):
+            keras_random_layers.refuse_row_mixing(layer, "micro-batches or data-parallel copies")
             _draw_as_whole_batch(layer, "call", index, count)
         elif keras_random_layers.is_dropout_cell(layer):
             if not getattr(layer._create_dropout_mask, _WHOLE_BATCH, False):
@@ -336,6 +343,8 @@ def draws_in_training(layer):
     """Whether `layer`'s training forward draws random numbers (a rate that is not zero)."""
     if isinstance(layer, RANDOM_LAYERS):
         return bool(getattr(layer, "rate", 1))
+    if keras_random_layers.draws_from_own_generators(layer):
+        return True
     cell = getattr(layer, "cell", layer)  # an RNN layer (LSTM, GRU, ...) draws through its cell
     return keras_random_layers.is_dropout_cell(cell) and bool(cell.dropout or cell.recurrent_dropout)
 
@@ -351,16 +360,31 @@ def _draw_as_whole_batch(layer, method, index, count):
     `_create_dropout_mask(step_input, rate)`) to draw on the whole batch's rows."""
     original = getattr(layer, method)
     seed = _SeedPerStep(layer)
+    # Dropout and its kin draw in training only; another layer whose `call` takes no
+    # `training` draws whenever it is called.
+    takes_training = "training" in inspect.signature(original).parameters
+    default = not takes_training and not isinstance(layer, RANDOM_LAYERS)
 
     def whole_batch(inputs, *args, **kwargs):
         if method == "call":
-            training = kwargs.get("training", args[0] if args else False)
-            if training is None or (isinstance(training, bool) and not training):
+            training = kwargs.get("training", args[0] if args and isinstance(layer, RANDOM_LAYERS) else None)
+            if training is None:
+                training = default
+            if isinstance(training, bool) and not training:
                 return original(inputs, *args, **kwargs)
+        if not tf.is_tensor(inputs):
+            raise keras_random_layers.one_line(
+                StrategyError(
+                    f"Layer {layer.name!r} ({type(layer).__name__}) draws random numbers from an input "
+                    f"that is not one tensor ({type(inputs).__name__}): tfscale cannot give each copy or "
+                    "micro-batch its rows of one device's draws. Give it one tensor."
+                )
+            )
         rows = tf.shape(inputs)[0]
         micro, micros = _MICROBATCH[-1] if _MICROBATCH else (0, 1)
-        n = tf.cast(_BATCH_ROWS[-1], rows.dtype) if _BATCH_ROWS else count * micros * rows
-        offset, mine = _share(n, index, count)
+        whole, one_copy = _BATCH_ROWS[-1] if _BATCH_ROWS else (None, False)
+        n = count * micros * rows if whole is None else tf.cast(whole, rows.dtype)
+        offset, mine = (0, n) if one_copy else _share(n, index, count)
         offset += _share(mine, micro, micros)[0]
         seed.draw(micro)
         return keras_random_layers.run_on_rows(
@@ -388,19 +412,20 @@ class _SeedPerStep:
         self.micro = None  # the micro-batch of the last draw traced
 
     def draw(self, micro):
-        generator = getattr(self.layer, "seed_generator", None)  # Dropout(rate=0) has none
+        generators = keras_random_layers.seed_generators(self.layer)  # Dropout(rate=0) has none
         first_of_micro, self.micro = micro != self.micro, micro
-        if generator is None or not first_of_micro:
+        if not generators or not first_of_micro:
             return
         if micro == 0:
-            self.first_seed[:] = [tf.identity(generator.state.value)]
+            self.first_seed[:] = [tf.identity(g.state.value) for g in generators]
         elif not self.first_seed:
             raise StrategyError(
                 f"Layer {self.layer.name!r} ran micro-batch {micro} before micro-batch 0 in one step; "
                 "its random numbers would differ from one device's (a tfscale bug: please report it)."
             )
         else:
-            generator.state.assign(self.first_seed[0])
+            for generator, state in zip(generators, self.first_seed, strict=True):
+                generator.state.assign(state)
 
 
 def _gather_sparse(index, gradients, devices, summed):

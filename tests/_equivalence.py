@@ -91,7 +91,7 @@ OPTIONS = ("none", "clipnorm", "global_clipnorm", "clipvalue", "weight_decay", "
 LAYERS = (
     "dense", "embedding_repeated", "embedding_mask_zero", "conv", "rnn_masked", "lstm_masked",
     "gru_timestep_masked", "bidirectional_masked", "attention", "batchnorm", "batchnorm_inference",
-    "dropout", "frozen", "regularizers", "add_loss", "custom", "graph", "rnn_dropout",
+    "dropout", "frozen", "regularizers", "add_loss", "custom", "graph", "rnn_dropout", "augment",
 )  # fmt: skip
 FEATURES = (
     "fit", "sample_weight", "class_weight", "validation_data", "evaluate", "predict", "metrics",
@@ -119,6 +119,7 @@ ADDED_ROUNDS = (
     {"layer": ("graph",)},  # a functional graph, not a chain: the layer split cuts it (issue 25)
     {"mode": ZERO},  # ZeRO stages 1 and 2 on mirrored (issue 26)
     {"layer": ("rnn_dropout",)},  # an RNN's dropout / recurrent_dropout masks (issue 24)
+    {"layer": ("augment",)},  # augmentation layers and keras.random in a custom layer (issue 24)
 )
 ADDED = {n: tuple(v for r in ADDED_ROUNDS for v in r.get(n, ())) for r in ADDED_ROUNDS for n in r}
 
@@ -291,7 +292,19 @@ def _custom_layers():
         def call(self, x):
             return self.attention(x, x)
 
-    return ActivityPenalty, Scale, SelfAttention
+    class Jitter(keras.layers.Layer):
+        """A user's own random layer: `keras.random.normal` from its own SeedGenerator, in training."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.noise = keras.random.SeedGenerator()
+
+        def call(self, x, training=False):
+            if not training:
+                return x
+            return x + 0.3 * keras.random.normal(keras.ops.shape(x), seed=self.noise, dtype=x.dtype)
+
+    return ActivityPenalty, Scale, SelfAttention, Jitter
 
 
 def _functional(*links, kwargs=None):
@@ -322,7 +335,7 @@ def _families():
     import keras
 
     L, In, seq = keras.layers, keras.Input, keras.Sequential
-    ActivityPenalty, Scale, SelfAttention = _custom_layers()
+    ActivityPenalty, Scale, SelfAttention, Jitter = _custom_layers()
     l2, l1 = keras.regularizers.L2(0.01), keras.regularizers.L1(0.01)
     ids = {"dtype": "int32"}
     return {
@@ -365,6 +378,9 @@ def _families():
         # The cell draws its input and recurrent masks (DropoutRNNCell), not a Dropout layer.
         "rnn_dropout": lambda: seq([In((5, 3)), L.Dense(4), L.LSTM(4, dropout=0.4, recurrent_dropout=0.3),
                                     L.Dense(4, "tanh"), L.Dense(2)]),
+        # Image augmentation (a draw per image) and a user's layer drawing keras.random.normal.
+        "augment": lambda: seq([In((6, 6, 1)), L.RandomFlip("horizontal"), L.RandomTranslation(0.2, 0.2),
+                                L.Conv2D(2, 3, activation="tanh"), Jitter(), L.Flatten(), L.Dense(2)]),
     }  # fmt: skip
 
 
@@ -382,7 +398,7 @@ def make_data(layer, samples, seed):
         x = rng.randint(1, 8, (samples, 6)).astype("int32")
         lengths = rng.randint(2, 7, samples)
         x[np.arange(6)[None, :] >= lengths[:, None]] = 0  # trailing padding
-    elif layer == "conv":
+    elif layer in ("conv", "augment"):
         x = rng.randn(samples, 6, 6, 1).astype("float32")
     elif layer in ("rnn_masked", "lstm_masked", "attention", "rnn_dropout"):
         x = rng.randn(samples, 5, 3 if layer != "attention" else 4).astype("float32")

@@ -5,9 +5,11 @@ plain Keras on one device (same seed, data, order): the per-epoch logged losses,
 weight, `evaluate` and `predict`, to 1e-5 absolute plus 1e-5 relative. 19 samples in
 batches of 8: the last batch splits 2 + 1 over 2 replicas, 1 + 1 + 1 over 3, and 8 splits
 3 + 3 + 2. The models: every random layer Keras has (Dropout with and without
-`noise_shape`, SpatialDropout1D, GaussianNoise, GaussianDropout, AlphaDropout), and the
-dropout and recurrent dropout of an LSTM cell (the RNN cells' one mask method); also 2
-workers x 2 replicas.
+`noise_shape`, SpatialDropout1D, GaussianNoise, GaussianDropout, AlphaDropout), the
+dropout and recurrent dropout of an LSTM cell (the RNN cells' one mask method), and image
+augmentation layers beside a user's layer drawing `keras.random.normal` from its own
+SeedGenerator (wrapped on first call: `draws_from_own_generators`); also 2 workers x 2
+replicas. MixUp, which mixes rows, is refused in one line.
 `test_stock_keras_differs` keeps them honest: without the fix each is off by more than
 1e-3. One replica and `replica_random=True` launch nothing and draw as Keras does.
 """
@@ -34,19 +36,36 @@ FAST_REPRESENTATIVES = {
 
 BATCH, EPOCHS, SAMPLES = 8, 2, 19
 TOLERANCE = 1e-5  # absolute, and relative: the replicas' partial sums are added in another order
-MODELS = ("layers", "recurrent")
+MODELS = ("layers", "recurrent", "augment")
+
+
+class _Jitter(keras.layers.Layer):
+    """A user's random layer: normal noise from a SeedGenerator of its own, in training."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.noise = keras.random.SeedGenerator(5)
+
+    def call(self, x, training=False):
+        return x + 0.3 * keras.random.normal(keras.ops.shape(x), seed=self.noise) if training else x
 
 
 def _model(name):
     L = keras.layers
-    if name == "layers":
+    if name == "augment":
+        hidden = [L.RandomFlip(), L.RandomTranslation(0.2, 0.2), L.RandomRotation(0.1), L.RandomZoom(0.2),
+                  L.RandomContrast(0.3), _Jitter(), L.Conv2D(2, 3), L.Flatten()]  # fmt: skip
+        inputs = keras.Input((6, 6, 1))
+    elif name == "layers":
         hidden = [L.Dense(8), L.Dropout(0.4, seed=3), L.Dropout(0.3, noise_shape=(None, 1, 8)),
                   L.SpatialDropout1D(0.3), L.GaussianNoise(0.3), L.GaussianDropout(0.3),
                   L.AlphaDropout(0.2), L.Flatten()]  # fmt: skip
     else:
         # GRU, SimpleRNN and ConvLSTM cells draw their masks through the same mixin method.
         hidden = [L.LSTM(4, dropout=0.3, recurrent_dropout=0.3)]
-    model = keras.Sequential([keras.Input((5, 3)), *hidden, L.Dense(2)])
+    if name != "augment":
+        inputs = keras.Input((5, 3))
+    model = keras.Sequential([inputs, *hidden, L.Dense(2)])
     model.compile(
         keras.optimizers.Adam(0.05),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -55,16 +74,16 @@ def _model(name):
     return model
 
 
-def _data(samples, seed):
+def _data(samples, seed, name="layers"):
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(samples, 5, 3)).astype("float32")
+    x = rng.normal(size=(samples, 6, 6, 1) if name == "augment" else (samples, 5, 3)).astype("float32")
     return x, rng.integers(0, 2, samples).astype("int32")
 
 
 def _train(strategy, name):
     """{what: values} of the model `name` trained under `strategy`."""
-    x, y = _data(SAMPLES, seed=1)
-    xv, yv = _data(BATCH, seed=2)
+    x, y = _data(SAMPLES, 1, name)
+    xv, yv = _data(BATCH, 2, name)
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = _model(name)
@@ -102,7 +121,9 @@ def _assert_equal(got, want, tolerance=TOLERANCE):
             np.testing.assert_allclose(g, w, rtol=tolerance, atol=tolerance, err_msg=f"{key}[{i}]")
 
 
-@pytest.mark.parametrize(("name", "replicas"), [("layers", 3), ("recurrent", 3), ("layers", 2)])
+@pytest.mark.parametrize(
+    ("name", "replicas"), [("layers", 3), ("recurrent", 3), ("augment", 3), ("layers", 2)]
+)
 def test_mirrored_matches_one_device(name, replicas):
     strategy = get("mirrored", cpu_replicas=replicas)
     assert keras_random_layers.is_applied()
@@ -164,6 +185,22 @@ def test_one_replica_and_replica_random_launch_nothing_and_draw_as_keras():
     with _launches() as launched:
         _train(get("mirrored", cpu_replicas=3), "layers")
     assert launched.call_count == 3 * 6  # a trace of each replica: each random layer once
+
+
+def test_a_layer_mixing_rows_is_refused_in_one_line():
+    """MixUp mixes the batch's rows: each replica would mix its own slice (not one device's)."""
+    strategy = get("mirrored", cpu_replicas=2)
+    x, y = _data(SAMPLES, 1, "augment")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6, 6, 1)), keras.layers.MixUp(), keras.layers.Flatten(),
+                                  keras.layers.Dense(2)])  # fmt: skip
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    message = (r"^Layer 'mix_up\w*' \(MixUp\) mixes the rows of a batch: cut into 2 replicas, each piece "
+               r"would mix its own rows, not one device's batch\. Apply it in the input pipeline "
+               r"\(dataset\.map\) instead\.$")  # fmt: skip
+    with pytest.raises(tfscale.Error, match=message):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    model.evaluate(x, y, batch_size=BATCH, verbose=0)  # in inference MixUp draws nothing: not refused
 
 
 def test_replica_random_must_be_a_bool():

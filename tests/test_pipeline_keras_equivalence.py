@@ -474,6 +474,52 @@ def _assert_pipeline_trains_as_keras(model, x, y, options):
     _assert_same_weights(reference, pipelined)
 
 
+class _Noise(keras.layers.Layer):
+    """A user's random layer with no `training` argument: it draws at every call, inference
+    too (so does plain Keras), from a SeedGenerator of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = keras.random.SeedGenerator(3)
+
+    def call(self, x):
+        return x * (1.0 + 0.3 * keras.random.normal(keras.ops.shape(x), seed=self.generator))
+
+
+@pytest.mark.parametrize("options", list(_MICROBATCHED.values()), ids=list(_MICROBATCHED))
+def test_augmentation_and_a_users_random_layer_draw_one_devices_numbers(options):
+    # Image augmentation (one draw per image) and a user's keras.random layer: each
+    # micro-batch and copy takes its rows of one device's draws, from the seed state the first
+    # micro-batch drew from. 22 samples, batches of 8 (a last batch of 6 that M does not
+    # divide); _Noise draws in predict too, where the micro-batches find their rows likewise.
+    def model():
+        keras.utils.set_random_seed(0)
+        L = keras.layers
+        return keras.Sequential(
+            [keras.Input((4, 4, 1)), L.RandomFlip(), L.RandomTranslation(0.3, 0.3), L.RandomRotation(0.2),
+             L.Flatten(), L.Dense(8, activation="tanh"), _Noise(), L.Dense(3)]
+        )  # fmt: skip
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(22, 4, 4, 1)).astype("float32")
+    y = rng.normal(size=(22, 3)).astype("float32")
+    _assert_pipeline_trains_as_keras(model, x, y, options)
+
+
+FAST_REPRESENTATIVES["test_augmentation_and_a_users_random_layer_draw_one_devices_numbers"] = 1
+
+
+def test_a_layer_mixing_rows_is_refused_at_several_microbatches():
+    model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.CutMix(), keras.layers.Flatten(),
+                              keras.layers.Dense(3)])  # fmt: skip
+    message = (r"^Layer 'cut_mix\w*' \(CutMix\) mixes the rows of a batch: cut into micro-batches or "
+               r"data-parallel copies, each piece would mix its own rows, not one device's batch\. Apply it "
+               r"in the input pipeline \(dataset\.map\) instead\.$")  # fmt: skip
+    with pytest.raises(tfscale.Error, match=message):
+        tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=2).split(model)
+    tfscale.strategies.get("pipeline", num_stages=2, num_microbatches=1).split(model)  # one piece: as Keras
+
+
 _RNN_MICROBATCHED = {
     "gpipe-M2-D2": {"num_microbatches": 2, "data_parallel": 2},
     "1f1b-M3": {"num_microbatches": 3, "schedule": "1f1b"},

@@ -336,7 +336,9 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
         return self._others.replicas
 
     def call(self, inputs, training=False):
-        return self.primary(inputs, training=training)
+        # Copy 0 alone: a layer drawing in inference too takes all rows of one device's draws.
+        with whole_batch_rows(tf.shape(keras.tree.flatten(inputs)[0])[0], one_copy=True):
+            return self.primary(inputs, training=training)
 
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)

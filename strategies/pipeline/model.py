@@ -115,7 +115,10 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
 
     def call(self, inputs, training=False):
         parts = _split_even(inputs, self.num_microbatches)
-        outputs = _step.forward_only(self.stages, parts, training=training)
+        # A layer that draws in inference too takes its micro-batch's rows of one device's
+        # numbers (`_replicas.draw_as_whole_batch`): it needs the whole batch's size.
+        with _replicas.whole_batch_rows(tf.shape(keras.tree.flatten(inputs)[0])[0], one_copy=True):
+            outputs = _step.forward_only(self.stages, parts, training=training)
         with tf.device(self.stages[-1].device):
             return _concat_masked(outputs)
 

@@ -37,10 +37,21 @@ marked by `keep_replica_random(strategy)` (what `tfscale.strategies.get("mirrore
 "multi_worker", replica_random=True)` does) keeps Keras's per-replica draws: cheaper,
 statistically the same, not one device's numbers.
 
-Not covered: other layers that draw random numbers in training (the augmentation layers
-such as RandomFlip, `keras.random` calls in a user's own layer: each replica draws for its
-slice, as in plain Keras), `run_eagerly=True`, TPUStrategy (same Keras code, not exercisable
-here), and a `noise_shape` whose batch entry is a fixed number other than 1.
+Every other layer that draws from SeedGenerators of its own (Keras's augmentation layers:
+RandomFlip, RandomTranslation, RandomRotation, ...; a user's layer calling `keras.random.*`
+with `seed=self.some_generator`) is run the same way: `Layer.__call__` is wrapped to give
+such a layer, the first time it is called in a traced replica context, a `call` of its
+own that places its rows in the whole batch (`draws_from_own_generators`). This holds
+exactly for a layer whose output row i depends on its input row i and the numbers drawn
+(what makes it splittable by rows at all). MixUp and CutMix mix the rows of a batch: each
+replica would mix its own slice, so in training they raise (`mixes_rows`); they belong in
+the input pipeline. A random layer whose input is not one tensor (a dict of images and
+boxes) raises too.
+
+Not covered: `keras.random` calls with an integer seed or none (no generator to find:
+stateless, the same numbers at every step), `run_eagerly=True`, TPUStrategy (same Keras
+code, not exercisable here), and a `noise_shape` whose batch entry is a fixed number other
+than 1.
 
 Gate: this fix's own `_FIXED_IN` (None: upstream draws per replica by design), and the
 wrapped methods present with the signatures above; otherwise nothing is changed.
@@ -56,16 +67,22 @@ import tensorflow as tf
 
 from tfscale.compat import keras_optimizer
 from tfscale.compat.keras_multi_worker import _version_tuple
+from tfscale.errors import Error
 
 __all__ = [
     "CHECKED_ON",
     "NAME_SCOPE",
     "apply",
+    "draws_from_own_generators",
     "is_applied",
     "is_dropout_cell",
     "keep_replica_random",
+    "mixes_rows",
     "needed",
+    "one_line",
+    "refuse_row_mixing",
     "run_on_rows",
+    "seed_generators",
 ]
 
 CHECKED_ON = ("3.15.1", "2.21.0")
@@ -104,6 +121,46 @@ def is_dropout_cell(layer):
     return _gate() and isinstance(layer, _layer_classes()[1])
 
 
+def seed_generators(layer):
+    """The SeedGenerators `layer` owns (not its sublayers'): the states its own draws move."""
+    return list(getattr(layer, "_seed_generators", None) or ())
+
+
+def draws_from_own_generators(layer):
+    """Whether `layer` draws random numbers from SeedGenerators of its own and is none of the
+    layers this module patches by class (Dropout and its kin; an RNN cell's masks): an
+    augmentation layer (RandomFlip, ...), a user's layer calling `keras.random.*`."""
+    if not seed_generators(layer) or isinstance(layer, _layer_classes()[0]) or is_dropout_cell(layer):
+        return False
+    return not getattr(type(layer).call, _WRAPPED, False)
+
+
+def mixes_rows(layer):
+    """Whether `layer`'s training output mixes the rows of its batch (MixUp, CutMix)."""
+    names = ("MixUp", "CutMix")
+    return isinstance(layer, tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n)))
+
+
+def one_line(error):
+    """`error`, marked so that Keras raises it through the layers' calls unchanged (it would
+    prepend "Exception encountered when calling ..." and append their arguments)."""
+    error._keras_call_info_injected = True  # keras/src/utils/traceback_utils.py
+    return error
+
+
+def refuse_row_mixing(layer, split):
+    """Raises `Error` naming `layer` if it mixes rows (`mixes_rows`): `split` says how the
+    batch is cut (e.g. "2 replicas")."""
+    if mixes_rows(layer):
+        raise one_line(
+            Error(
+                f"Layer {layer.name!r} ({type(layer).__name__}) mixes the rows of a batch: cut into {split}, "
+                "each piece would mix its own rows, not one device's batch. Apply it in the input pipeline "
+                "(dataset.map) instead."
+            )
+        )
+
+
 def run_on_rows(function, inputs, offset, total):
     """`function(whole)[offset : offset + rows]`, where `whole` is `inputs` (`rows` rows)
     placed at row `offset` of `total` rows of zeros: what one device's call gives those rows
@@ -121,7 +178,7 @@ def run_on_rows(function, inputs, offset, total):
 
     def mine(output):
         kept = output[offset : offset + rows]
-        kept.set_shape(inputs.shape)
+        kept.set_shape(inputs.shape[:1].concatenate(output.shape[1:]))  # a crop changes the rest
         return kept
 
     return [mine(o) for o in outputs] if isinstance(outputs, (list, tuple)) else mine(outputs)
@@ -154,7 +211,15 @@ def _gate():
         calls
         and callable(mask)
         and list(inspect.signature(mask).parameters) == ["self", "step_input", "dropout_rate"]
+        and "__call__" in vars(keras.layers.Layer)
+        and _finds_own_generators()
     )
+
+
+@functools.cache
+def _finds_own_generators():
+    """Whether Keras still lists a layer's own SeedGenerators where `seed_generators` reads."""
+    return len(seed_generators(keras.layers.GaussianNoise(0.1))) == 1
 
 
 def _active():
@@ -209,6 +274,67 @@ def _make_call(original):
     return call
 
 
+def _is_training(args, kwargs, default):
+    """The `training` a wrapped `call(inputs, training, ...)` was given: a Python bool or a
+    tensor counts as training unless it is False; None or absent: `default`."""
+    training = kwargs.get("training", args[0] if args else None)
+    if training is None:
+        return default
+    return not (isinstance(training, bool) and not training)
+
+
+def _in_training(kwargs):
+    """Whether a layer called with `kwargs` runs in training: its `training` argument, else
+    the enclosing call's (Keras's call context), else True."""
+    training = kwargs.get("training")
+    if training is None:
+        from keras.src.backend.common import global_state
+
+        context = global_state.get_global_attribute("current_call_ctx")
+        training = getattr(context, "training", None)
+    return training is None or not (isinstance(training, bool) and not training)
+
+
+def _wrap_own_draws(layer):
+    """Gives `layer` (`draws_from_own_generators`) a `call` that draws one device's numbers
+    for its rows in a traced replica context; its class's `call` elsewhere."""
+    original = layer.call
+
+    def call(inputs, *args, **kwargs):
+        # A layer without a `training` argument draws whenever it is called.
+        if not _is_training(args, kwargs, default=True) or not _active():
+            return original(inputs, *args, **kwargs)
+        if not tf.is_tensor(inputs):
+            raise one_line(
+                Error(
+                    f"Layer {layer.name!r} ({type(layer).__name__}) draws random numbers from an input "
+                    f"that is not one tensor ({type(inputs).__name__}): tfscale cannot give each replica "
+                    "its rows of one device's draws. Pass one tensor, or replica_random=True to keep "
+                    "per-replica draws."
+                )
+            )
+        return _one_device_draws(lambda whole: original(whole, *args, **kwargs), inputs)
+
+    setattr(call, _WRAPPED, True)
+    # Layers track the attributes they are given; a bound method is not state, so bypass that.
+    object.__setattr__(layer, "call", call)
+
+
+def _make_layer_call(original):
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        if seed_generators(self) and not getattr(self.call, _WRAPPED, False) and _active():
+            # Here, not in `call`: Keras would add lines to an error raised in `call`.
+            if mixes_rows(self) and _in_training(kwargs):
+                refuse_row_mixing(self, f"{tf.distribute.get_strategy().num_replicas_in_sync} replicas")
+            if draws_from_own_generators(self):
+                _wrap_own_draws(self)
+        return original(self, *args, **kwargs)
+
+    setattr(__call__, _WRAPPED, True)
+    return __call__
+
+
 def _make_mask(original):
     @functools.wraps(original)
     def _create_dropout_mask(self, step_input, dropout_rate):
@@ -238,6 +364,9 @@ def apply():
         layer_class.call = _make_call(layer_class.call)
     _state["originals"].append((cell, "_create_dropout_mask", cell._create_dropout_mask))
     cell._create_dropout_mask = _make_mask(cell._create_dropout_mask)
+    base = keras.layers.Layer
+    _state["originals"].append((base, "__call__", base.__dict__["__call__"]))
+    base.__call__ = _make_layer_call(base.__call__)
     _state["applied"] = True
     return True
 

@@ -218,8 +218,14 @@ def _gate():
 
 @functools.cache
 def _finds_own_generators():
-    """Whether Keras still lists a layer's own SeedGenerators where `seed_generators` reads."""
-    return len(seed_generators(keras.layers.GaussianNoise(0.1))) == 1
+    """Whether Keras still lists a layer's own SeedGenerators where `seed_generators` reads:
+    the list its attribute tracker fills. Made on a bare Layer: a layer with a SeedGenerator
+    would create a variable, which starts TensorFlow's context, and a MultiWorkerMirrored
+    strategy built after that fails ("Collective ops must be configured at program startup")."""
+    layer = keras.layers.Layer()
+    tracked = getattr(getattr(layer, "_tracker", None), "config", {}).get("seed_generators")
+    own = getattr(layer, "_seed_generators", None)
+    return isinstance(tracked, tuple) and len(tracked) == 2 and tracked[1] is own
 
 
 def _active():

@@ -280,10 +280,11 @@ def _make_call(original):
     return call
 
 
-def _is_training(args, kwargs, default):
-    """The `training` a wrapped `call(inputs, training, ...)` was given: a Python bool or a
-    tensor counts as training unless it is False; None or absent: `default`."""
-    training = kwargs.get("training", args[0] if args else None)
+def _is_training(kwargs, default):
+    """The `training` a wrapped `call` was given (Keras passes it by keyword; a positional
+    argument of a user's layer may be anything else): a Python bool or a tensor counts as
+    training unless it is False; None or absent: `default`."""
+    training = kwargs.get("training")
     if training is None:
         return default
     return not (isinstance(training, bool) and not training)
@@ -308,7 +309,7 @@ def _wrap_own_draws(layer):
 
     def call(inputs, *args, **kwargs):
         # A layer without a `training` argument draws whenever it is called.
-        if not _is_training(args, kwargs, default=True) or not _active():
+        if not _is_training(kwargs, default=True) or not _active():
             return original(inputs, *args, **kwargs)
         if not tf.is_tensor(inputs):
             raise one_line(

@@ -5,7 +5,8 @@ with the unsplit one trained on one device; the pieces they had written four tim
 once: a model built after seeding Keras, the tiny MLP and the uneven MLP, SGD-with-momentum
 compile and a `fit` that returns the history, a per-key cache of the reference run, a fit
 interrupted after its first epoch and resumed from a backup (of either class,
-`each_backup_class`), and fixed layer timings for the partitioner.
+`each_backup_class`), fixed layer timings for the partitioner, and a model whose random layer takes a list
+(`pair_noise_model`: the refusal of a random layer on several tensors).
 test_data_parallel_keras_equivalence interrupts its fits the same way.
 """
 
@@ -167,3 +168,23 @@ def fix_layer_times(monkeypatch, seconds):
     """Layer timings the partitioner would have measured, fixed so the test is exact."""
     calls = iter(seconds)
     monkeypatch.setattr(_partition, "_time_layer", lambda layer, x: (layer(x), next(calls)))
+
+
+class PairNoise(keras.layers.Layer):
+    """A user's random layer on a list of two tensors: no one batch tensor to place its rows in."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.noise = keras.random.SeedGenerator(5)
+
+    def call(self, inputs, training=False):
+        first, second = inputs
+        return first + second * keras.random.normal(keras.ops.shape(second), seed=self.noise)
+
+
+def pair_noise_model():
+    """Two Dense branches into `PairNoise` (a functional graph), then a Dense head."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    mixed = PairNoise(name="pair_noise")([keras.layers.Dense(4)(x), keras.layers.Dense(4)(x)])
+    return keras.Model(x, keras.layers.Dense(2)(mixed))

@@ -17,6 +17,7 @@ replicas. MixUp, which mixes rows, is refused in one line.
 import functools
 from unittest import mock
 
+import _model_helpers as helpers
 import keras
 import numpy as np
 import pytest
@@ -204,6 +205,20 @@ def test_a_layer_mixing_rows_is_refused_in_one_line():
     with pytest.raises(tfscale.Error, match=message):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     model.evaluate(x, y, batch_size=BATCH, verbose=0)  # in inference MixUp draws nothing: not refused
+
+
+def test_a_random_layer_on_several_tensors_is_refused_in_one_line():
+    strategy = get("mirrored", cpu_replicas=2)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 6)).astype("float32"), rng.integers(0, 2, 16)
+    with strategy.scope():
+        model = helpers.pair_noise_model()
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    message = (r"^Layer 'pair_noise' \(PairNoise\) draws random numbers from an input that is not one "
+               r"tensor \(list\): tfscale cannot give each replica its rows of one device's draws\. Pass one "
+               r"tensor, or replica_random=True to keep per-replica draws\.$")  # fmt: skip
+    with pytest.raises(tfscale.Error, match=message):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
 
 def test_replica_random_must_be_a_bool():

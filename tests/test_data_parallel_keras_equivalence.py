@@ -301,3 +301,17 @@ def test_a_last_batch_that_the_copies_do_not_divide_trains_as_one_device(mode, s
         return model.fit(**data, epochs=2, shuffle=False, verbose=0).history
 
     _assert_trains_like_one_device(mode, lambda: _mlp(dropout=True), train)
+
+
+def test_a_random_layer_on_several_tensors_is_refused_in_one_line():
+    # Each copy's random layers draw their rows of one device's numbers (`draw_as_whole_batch`),
+    # which needs one batch tensor to place the rows in; a list of two is refused, not guessed.
+    split = _strategy("layer").split(helpers.pair_noise_model())
+    split.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 6)).astype("float32"), rng.integers(0, 2, 16)
+    message = (r"^Layer 'pair_noise' \(PairNoise\) draws random numbers from an input that is not one "
+               r"tensor \(list\): tfscale cannot give each copy or micro-batch its rows of one device's "
+               r"draws\. Give it one tensor\.$")  # fmt: skip
+    with pytest.raises(StrategyError, match=message):
+        split.fit(x, y, batch_size=8, epochs=1, verbose=0)

@@ -5,6 +5,7 @@ parameters live (`report`) and give back the unsplit model with the trained weig
 (`merge`); these are the shared bodies of the last two.
 """
 
+import copy
 import logging
 
 import keras
@@ -44,7 +45,9 @@ def merge(origin, split_model, compiled=None):
     continues as the split model would (and as plain Keras does).
     """
     with keras.saving.custom_object_scope(origin.custom_objects):
-        merged = origin.cls.from_config(origin.config)
+        # A copy: Keras's `functional_from_config` empties the config it is given, and a
+        # model is merged more than once (save, then merge again).
+        merged = origin.cls.from_config(copy.deepcopy(origin.config))
     for layer, name in zip(merged.layers, origin.names):
         # A config without the name (an __init__ without **kwargs) gave a fresh one.
         layer.name = name

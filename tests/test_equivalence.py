@@ -88,6 +88,9 @@ REGRESSIONS = [
     # micro-batch's rows alone (loss 3-18% off; keras_random_layers, _replicas).
     eq.Case("mirrored", 1, 2, "sgd", "none", "augment", "fit"),
     eq.Case("tensor", 1, 2, "sgd", "none", "augment", "fit"),
+    # `merge` handed Keras the user's functional config, which `functional_from_config` empties:
+    # a second merge (save after a merge) crashed (_parts.merge).
+    eq.Case("layer", 1, 2, "sgd", "none", "graph", "save_load_model"),
 ]
 _FAST = set(SMOKE) | set(REGRESSIONS)
 # The fast cases with a value added later (eq.ADDED): first in the parametrization, so that

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfscale.strategies._errors import StrategyError
 
-__all__ = ["loss_reduction", "slice_weights"]
+__all__ = ["loss_reduction", "one_reduction", "slice_weights"]
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
@@ -36,6 +36,23 @@ def loss_reduction(loss):
             "'mean_with_sample_weight' (a scalar loss)."
         )
     return reduction
+
+
+def one_reduction(loss):
+    """The one reduction of a compiled loss, or of every output's loss (`loss_reduction`).
+
+    A model of several outputs cut into slices weighs each slice once for all its outputs:
+    their losses must share the reduction.
+    """
+    if not isinstance(loss, (list, tuple, dict)):
+        return loss_reduction(loss)
+    reductions = {loss_reduction(leaf) for leaf in keras.tree.flatten(loss)}
+    if len(reductions) != 1:
+        raise StrategyError(
+            f"Invalid value for argument `loss`. Received: loss={loss!r} with reductions "
+            f"{sorted(reductions)}. Expected one reduction for every output of a model cut into slices."
+        )
+    return reductions.pop()
 
 
 def slice_weights(reduction, sample_weights, num_slices, sizes=None):

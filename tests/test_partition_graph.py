@@ -16,7 +16,6 @@ import keras
 import numpy as np
 import pytest
 
-import tfscale
 from tfscale.strategies import BalanceError, ModelSplitStrategy
 from tfscale.strategies._placement import device_of
 
@@ -310,14 +309,3 @@ def test_a_subclassed_model_is_refused_in_one_line_with_what_to_do():
 def test_balance_time_on_a_graph_is_refused_in_one_line():
     with pytest.raises(BalanceError, match=r"balance='time' for model 'residual'.*'parameters', 'uniform'"):
         ModelSplitStrategy(num_devices=2, balance="time").split(residual(), sample_input=_data()[0])
-
-
-@pytest.mark.parametrize(
-    ("build", "layer"), [(residual, r"'stem'.*feeds"), (shared, r"'shared'.*called 2 times")]
-)
-def test_the_pipeline_refuses_a_graph_naming_the_layer_and_the_layer_split(build, layer):
-    with pytest.raises(
-        tfscale.Error, match=layer + r".*layer split \(strategies.get\('model_split'\)\)"
-    ) as e:
-        tfscale.strategies.get("pipeline", num_stages=2).split(build())
-    assert "\n" not in str(e.value)

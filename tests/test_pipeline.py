@@ -307,8 +307,8 @@ def test_bad_input_raises_clear_value_errors():
         PipelineStrategy(num_stages=2, devices=["/cpu:0"])
     with pytest.raises(StrategyError, match=r"`devices`.*'/cpu:9', which does not exist"):
         PipelineStrategy(num_stages=2, devices=["/cpu:0", "/cpu:9"])
-    with pytest.raises(BalanceError, match="'skip'"):
-        PipelineStrategy(num_stages=2).wrap(_branching_model())
+    with pytest.raises(BalanceError, match=r"balance='time' for model .*not a chain"):
+        PipelineStrategy(num_stages=2, balance="time").wrap(_branching_model())
     with pytest.raises(StrategyError, match=r"`schedule`.*'zigzag'"):
         PipelineStrategy(schedule="zigzag")
     with pytest.raises(StrategyError, match=r"Unknown option\(s\) \['stages'\]"):

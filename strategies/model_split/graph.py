@@ -21,7 +21,7 @@ from tfscale.strategies._partition import BalanceError, graph_config
 from tfscale.strategies._placement import clone_layer, copy_state, on_device_many
 from tfscale.strategies.model_split.models import SplitFunctional
 
-__all__ = ["SplitGraph", "graph_split"]
+__all__ = ["SplitGraph", "flat_inputs", "graph_split", "run_calls"]
 
 
 class _Recorded:
@@ -50,10 +50,10 @@ class SplitGraph(SplitFunctional):
         if route is None:
             return super().call(inputs, training=training, mask=mask)
         keys = [route.keys[id(x)] for x in keras.tree.flatten(self.input)]
-        env = dict(zip(keys, _flat_inputs(self, inputs)))
+        env = dict(zip(keys, flat_inputs(self, inputs)))
         for part, device in enumerate(route.devices):
             takes, gives = route.plan.takes(part), route.plan.gives(part)
-            run = functools.partial(_run_part, route, route.plan.calls[part], takes, gives, training=training)
+            run = functools.partial(run_calls, route, route.plan.calls[part], takes, gives, training=training)
             env.update(zip(gives, _hop(device, run, [env[key] for key in takes])))
         flat = [env[route.keys[id(y)]] for y in keras.tree.flatten(self.output)]
         outputs = keras.tree.pack_sequence_as(self.output, flat)
@@ -62,7 +62,7 @@ class SplitGraph(SplitFunctional):
         return outputs
 
 
-def _flat_inputs(model, inputs):
+def flat_inputs(model, inputs):
     """The model's inputs as a flat list in `model.inputs` order, typed as Keras would."""
     specs = keras.tree.flatten(model.input)
     if isinstance(inputs, dict) and not isinstance(model.input, dict):
@@ -113,11 +113,12 @@ def _hop(device, run, values):
     return ys
 
 
-def _run_part(route, calls, takes, gives, xs, *, training):
+def run_calls(route, calls, takes, gives, xs, *, training, on_call=None):
     """The calls of one part, in order, on its inputs; returns the tensors it gives.
 
     As `Functional.call`: a layer's recorded `training` (the default its symbolic call
-    filled in) gives way to the model call's, when that is given.
+    filled in) gives way to the model call's, when that is given. `on_call(op, inputs,
+    outputs)`, if given, sees each call's operation and its input and output tensors.
     """
     local = dict(zip(takes, xs))
 
@@ -131,8 +132,11 @@ def _run_part(route, calls, takes, gives, xs, *, training):
         if training is not None and isinstance(recorded.op, keras.layers.Layer):
             kwargs["training"] = training
         outputs = recorded.op(*args, **kwargs)
-        for symbolic, value in zip(recorded.outputs, keras.tree.flatten(outputs)):
+        flat = keras.tree.flatten(outputs)
+        for symbolic, value in zip(recorded.outputs, flat):
             local[route.keys[id(symbolic)]] = value
+        if on_call is not None:
+            on_call(recorded.op, [t for t in keras.tree.flatten((args, kwargs)) if tf.is_tensor(t)], flat)
     return [local[key] for key in gives]
 
 

@@ -12,7 +12,8 @@ from tfscale.compat import keras_compile_loss
 from tfscale.compat.keras_mask import get_keras_mask, set_keras_mask
 from tfscale.compat.keras_optimizer_clip import clip_norm_by_groups
 from tfscale.strategies._errors import StrategyError
-from tfscale.strategies._loss_split import loss_reduction, slice_weights
+from tfscale.strategies._loss_split import one_reduction as _reduction
+from tfscale.strategies._loss_split import slice_weights
 from tfscale.strategies._parts import merge
 from tfscale.strategies._placement import on_device, place_slots_with_variables
 from tfscale.strategies._replicas import (
@@ -265,19 +266,6 @@ def _split(data, d):
     sizes = tf.stack(slice_sizes(tf.shape(leaves[0])[0], d))
     pieces = [tf.split(t, sizes, num=d) for t in leaves]
     return [keras.tree.pack_sequence_as(data, [p[r] for p in pieces]) for r in range(d)]
-
-
-def _reduction(loss):
-    """The one reduction of a compiled loss, or of every output's loss (`loss_reduction`)."""
-    if not isinstance(loss, (list, tuple, dict)):
-        return loss_reduction(loss)
-    reductions = {loss_reduction(leaf) for leaf in keras.tree.flatten(loss)}
-    if len(reductions) != 1:
-        raise StrategyError(
-            f"Invalid value for argument `loss`. Received: loss={loss!r} with reductions "
-            f"{sorted(reductions)}. Expected one reduction for every output of a data-parallel split."
-        )
-    return reductions.pop()
 
 
 def _masked_slice_weights(reduction, y_preds):

@@ -7,10 +7,12 @@ from tfscale.compat import keras_compile_loss
 from tfscale.compat.keras_mask import get_keras_mask, set_keras_mask
 from tfscale.strategies import _gradients, _replicas
 from tfscale.strategies._errors import StrategyError
-from tfscale.strategies._loss_split import loss_reduction as _loss_reduction
+from tfscale.strategies._loss_split import one_reduction as _loss_reduction
 from tfscale.strategies._loss_split import slice_weights as _microbatch_weights
 from tfscale.strategies._placement import place_slots_with_variables
+from tfscale.strategies.model_split.graph import flat_inputs
 from tfscale.strategies.pipeline import step as _step
+from tfscale.strategies.pipeline.graph import GraphStage
 
 __all__ = ["PipelinedModel"]
 
@@ -31,6 +33,8 @@ class _Plan:
         batch_norm=None,
     ):
         self.stages = stages
+        # A graph's stages take and give lists of tensors (`pipeline.graph`); a chain's one.
+        self.graph = isinstance(stages[0], GraphStage)
         self.batch_norm = batch_norm  # `DeferredBatchNorm`, `EmptyMicrobatchGuard` (Keras's updates) or None
         self.virtual_stages = virtual_stages
         self.replicas = replicas  # per data-parallel replica, its stages (replica 0: `stages`)
@@ -44,10 +48,16 @@ class _Plan:
 
 
 def _split_even(x, parts):
-    """Splits along the batch into `parts` pieces whose sizes differ by at most one."""
-    n = tf.shape(x)[0]
+    """Splits along the batch into `parts` pieces whose sizes differ by at most one.
+
+    `x`: a tensor, or a list / dict of them (a graph's inputs, several outputs' targets):
+    each piece has `x`'s structure.
+    """
+    leaves = keras.tree.flatten(x)
+    n = tf.shape(leaves[0])[0]
     sizes = tf.stack([(n + parts - 1 - i) // parts for i in range(parts)])
-    return tf.split(x, sizes, num=parts)
+    pieces = [tf.split(t, sizes, num=parts) for t in leaves]
+    return [keras.tree.pack_sequence_as(x, [p[i] for p in pieces]) for i in range(parts)]
 
 
 class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
@@ -87,6 +97,17 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         self.built = True
 
     @property
+    def output_names(self):
+        """A graph's output names: Keras names several outputs' losses and metrics by them.
+
+        (A chain's pipeline has none: Keras names its one output's loss and metrics without one.)
+        """
+        plan = self.__dict__.get("_plan")
+        if plan is None or not plan.graph:
+            raise AttributeError("output_names")
+        return self.unsplit_model.output_names
+
+    @property
     def partition(self):
         """Per stage: device, layer names, parameter count and bytes (the chosen split)."""
         return self._plan.partition
@@ -114,10 +135,11 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         return self._plan.virtual_stages
 
     def call(self, inputs, training=False):
+        inputs = self._stage_input(inputs)
         parts = _split_even(inputs, self.num_microbatches)
         # A layer that draws in inference too takes its micro-batch's rows of one device's
         # numbers (`_replicas.draw_as_whole_batch`): it needs the whole batch's size.
-        with _replicas.whole_batch_rows(tf.shape(keras.tree.flatten(inputs)[0])[0], one_copy=True):
+        with _replicas.whole_batch_rows(_rows(inputs), one_copy=True):
             outputs = _step.forward_only(self.stages, parts, training=training)
         with tf.device(self.stages[-1].device):
             return _concat_masked(outputs)
@@ -143,25 +165,31 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
     def _data_parallel(self):
         return self._plan.data_parallel
 
+    def _stage_input(self, x):
+        """What the first stage takes: `x` (a chain), or a graph's inputs as a flat list."""
+        if not self._plan.graph:
+            return x
+        return flat_inputs(self.unsplit_model, x)
+
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         # With one micro-batch per copy, each copy's Dropout draws its rows of one device's
         # mask (`_replicas.draw_as_whole_batch`): it needs the whole batch's size.
-        with _replicas.whole_batch_rows(tf.shape(keras.tree.flatten(x)[0])[0]):
+        with _replicas.whole_batch_rows(_rows(x)):
             return self._train_step(x, y, sample_weight)
 
     def _train_step(self, x, y, sample_weight):
         m, replicas = self.num_microbatches, self.replicas
         d = len(replicas)
-        batch = tf.shape(x)[0]
+        batch = _rows(x)
         # Replica r takes the r-th 1/D of the batch, cut into M micro-batches on its devices;
         # a batch that D x M does not divide gives slices one sample apart (maybe empty).
-        xs = _slices(x, d, m, [stages[0].device for stages in replicas])
+        xs = _slices(self._stage_input(x), d, m, [stages[0].device for stages in replicas])
         ys = _slices(y, d, m, [stages[-1].device for stages in replicas])
         sws = _slices(sample_weight, d, m, [stages[-1].device for stages in replicas])
         reduction = _loss_reduction(self.loss)
         with tf.device(replicas[0][-1].device):
-            flat_sws = None if sws is None else [w for ws in sws for w in ws]
+            flat_sws = None if sws is None else [_one_weight(w) for ws in sws for w in ws]
             sizes = [_rows(piece) for pieces in xs for piece in pieces]
             weights = _microbatch_weights(reduction, flat_sws, d * m, sizes=sizes)
         loss_object, terms, shares = keras_compile_loss.compiled_loss(self), [], []
@@ -171,7 +199,7 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
                 w = None if sws is None else sws[r][i]
                 # Keras returns an empty micro-batch's loss unreduced when its size is static.
                 value = tf.reduce_sum(loss_object(ys[r][i], y_pred, w))
-                mask = get_keras_mask(y_pred)
+                mask = _output_mask(y_pred)
                 if mask is not None and reduction != "sum":
                     # Keras divides by the batch's valid steps: known once every micro-batch
                     # is done, so the gradients are divided by their total at the end.
@@ -318,8 +346,35 @@ def _slices(value, data_parallel, num_microbatches, devices):
     return out
 
 
-def _rows(tensor):
-    return tf.shape(tensor)[0]
+def _rows(value):
+    """The batch's rows: those of `value`'s first tensor (a tensor, or a list / dict of them)."""
+    return tf.shape(keras.tree.flatten(value)[0])[0]
+
+
+def _one_weight(sample_weight):
+    """A slice's sample weights: one tensor (every output's, when they share them)."""
+    leaves = keras.tree.flatten(sample_weight)
+    if len(leaves) > 1:
+        raise StrategyError(
+            "A pipeline weighs each micro-batch once for all the model's outputs: sample weights per "
+            "output cannot be combined under reduction='mean_with_sample_weight'. Expected one "
+            "sample_weight array, or the losses' default reduction ('sum_over_batch_size')."
+        )
+    return leaves[0]
+
+
+def _output_mask(y_pred):
+    """The Keras mask of a one-tensor output (None if none); several outputs with one are refused."""
+    if tf.is_tensor(y_pred):
+        return get_keras_mask(y_pred)
+    names = [i for i, y in enumerate(keras.tree.flatten(y_pred)) if get_keras_mask(y) is not None]
+    if names:
+        raise StrategyError(
+            f"The model's outputs {names} (flat positions) carry a Keras mask: a pipeline divides a "
+            "masked loss by the batch's valid steps for one output only. Expected one output, or "
+            "outputs without a mask (a layer split, get('model_split'), takes several masked outputs)."
+        )
+    return None
 
 
 def _masked_divisor(reduction, mask, sample_weight):
@@ -340,12 +395,19 @@ def _masked_divisor(reduction, mask, sample_weight):
 
 
 def _concat_masked(outputs):
-    """The micro-batches' outputs as one batch, with their Keras masks (if any) joined too."""
-    y = tf.concat(outputs, axis=0)
-    masks = [get_keras_mask(o) for o in outputs]
-    if all(mask is not None for mask in masks):
-        set_keras_mask(y, tf.concat(masks, axis=0))
-    return y
+    """The micro-batches' outputs as one batch, with their Keras masks (if any) joined too.
+
+    Each output may be a structure (a graph's several outputs): joined tensor by tensor.
+    """
+    flat = [keras.tree.flatten(o) for o in outputs]
+    joined = []
+    for pieces in zip(*flat):
+        y = tf.concat(pieces, axis=0)
+        masks = [get_keras_mask(o) for o in pieces]
+        if all(mask is not None for mask in masks):
+            set_keras_mask(y, tf.concat(masks, axis=0))
+        joined.append(y)
+    return keras.tree.pack_sequence_as(outputs[0], joined)
 
 
 def _regroup(flat, stages):

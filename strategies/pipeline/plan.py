@@ -23,6 +23,7 @@ the batch, loss terms, optimizer scalars) is reported as "other". Formula, per s
 import dataclasses
 import json
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -129,10 +130,12 @@ def plan_report(model, x, y, sample_weight=None):
         variable.assign(value)
     model._data_parallel().sync()  # the other replicas (and their optimizers) back to replica 0
     d, m = len(model.replicas), model.num_microbatches
-    microbatch = int(x.shape[0]) // (d * m)
-    outputs = _layer_output_bytes(model.stages, x[:microbatch])
+    microbatch = int(keras.tree.flatten(x)[0].shape[0]) // (d * m)
+    first = keras.tree.map_structure(lambda t: t[:microbatch], x)
+    outputs, given = _layer_output_bytes(model.stages, model._stage_input(first))
     sent = _sent_bytes(model, x, y, sample_weight)
-    boundaries = [outputs[stage.index][-1] for stage in model.stages[:-1]]
+    # What crosses each cut: a chain's one activation, or every tensor live across a graph's.
+    boundaries = given[:-1]
     gradients = [_bytes(stage.trainable_variables) for stage in model.stages]
     return PlanReport(
         devices=_devices(model, trace, outputs),
@@ -155,16 +158,18 @@ def _bytes(variables):
 
 
 def _layer_output_bytes(stages, microbatch):
-    """Per stage, the bytes of each of its layers' outputs for one micro-batch (run eagerly)."""
-    out, value = [], microbatch
+    """Per stage, the bytes of each call's outputs, and those it gives, for one micro-batch (eager)."""
+    out, given, value = [], [], microbatch
     for stage in stages:
-        sizes = []
         with tf.device(stage.device):
-            for layer in stage.layers:
-                value = layer(value, training=False)
-                sizes.append(int(tf.size(value)) * value.dtype.size)
-        out.append(sizes)
-    return out
+            units, value = stage.units(value, training=False)
+        out.append([sum(_tensor_bytes(t) for t in unit.outputs) for unit in units])
+        given.append(sum(_tensor_bytes(t) for t in keras.tree.flatten(value)))
+    return out, given
+
+
+def _tensor_bytes(t):
+    return int(tf.size(t)) * t.dtype.size
 
 
 def _devices(model, trace, outputs):
@@ -201,9 +206,13 @@ def _devices(model, trace, outputs):
 
 def _sent_bytes(model, x, y, sample_weight):
     """Bytes crossing devices in one traced (not run) training step, by kind."""
-    specs = [tf.TensorSpec(np.shape(v), tf.as_dtype(np.asarray(v).dtype)) for v in (x, y)]
+
+    def spec(value, dtype=None):
+        return tf.TensorSpec(np.shape(value), dtype or tf.as_dtype(np.asarray(value).dtype))
+
+    specs = [keras.tree.map_structure(spec, x), keras.tree.map_structure(spec, y)]
     if sample_weight is not None:
-        specs.append(tf.TensorSpec(np.shape(sample_weight), tf.float32))
+        specs.append(keras.tree.map_structure(lambda w: spec(w, tf.float32), sample_weight))
     graph = tf.function(lambda *data: model.train_step(tuple(data))).get_concrete_function(*specs).graph
     replica_of = {device_key(stage.device): r for r, stages in enumerate(model.replicas) for stage in stages}
     sent, seen = {"activations": 0, "gradients": 0, "other": 0}, set()

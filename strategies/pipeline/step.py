@@ -4,7 +4,8 @@ Every micro-batch forward and backward of every stage becomes a group of ops pla
 stage's device (`tf.device`) and named by `schedules.op_name` (`pipeline/s1_B3`; the profiler
 timeline finds them by that name). Groups are linked only by
 
-- data: activations flow forward, gradients backward, between neighbouring stages;
+- data: activations flow forward, gradients backward, between neighbouring stages (a
+  graph's stage takes and gives every tensor live across its cuts: lists, `pipeline.graph`);
 - the schedule's same-device waits (`schedules.control_dependencies`), which bound the live
   activations (1F1B) or make the flush (GPipe).
 
@@ -79,6 +80,29 @@ class Stage:
             outputs.append(x)
         return outputs
 
+    def units(self, x, training):
+        """(units, output): per layer a `Unit` (its weights, input and output), and the stage's output.
+
+        A split backward (W ops) asks for each unit's output gradient, then its weights'.
+        """
+        outputs = self.call_layers(x, training)
+        inputs = [x, *outputs[:-1]]
+        units = [
+            Unit(layer.trainable_variables, [a], [y]) for layer, a, y in zip(self.layers, inputs, outputs)
+        ]
+        return units, outputs[-1]
+
+
+class Unit:
+    """One call in a stage, as a split backward sees it: its weights, input and output tensors.
+
+    `shared`: its layer is called more than once in the stage, so its weight gradient is
+    taken with its inputs held fixed (the other calls add their own).
+    """
+
+    def __init__(self, weights, inputs, outputs, shared=False):
+        self.weights, self.inputs, self.outputs, self.shared = list(weights), inputs, outputs, shared
+
 
 def _regularized(layer):
     return sum(1 for w in layer.trainable_weights if getattr(w, "regularizer", None) is not None)
@@ -120,7 +144,11 @@ def _recomputed(stage, x, training):
                     variable.assign(new)
         return y
 
-    return tf.recompute_grad(forward)(x)
+    if not isinstance(x, list):
+        return tf.recompute_grad(forward)(x)
+    # A graph's stage (`pipeline.graph.GraphStage`) takes and gives lists of tensors.
+    flat = tf.recompute_grad(lambda *xs: stage.flatten(forward(list(xs))))(*x)
+    return stage.pack(flat)
 
 
 def _differentiable(x):
@@ -198,96 +226,150 @@ class _Batch:
             x = self.inputs[step.microbatch]
         else:
             x = self.done[Op(step.stage - 1, Kind.FORWARD, step.microbatch)]["y"]
+        # A chain's stage takes one tensor; a graph's the list of tensors crossing its cut.
+        xs = _leaves(x)
         # W asks an eager tape a second time; in a graph it uses `tf.gradients` instead.
         persistent = self.split_weights and tf.executing_eagerly()
         with (
             tf.GradientTape(persistent=persistent) as tape,
             _replicas.in_microbatch(step.microbatch, len(self.inputs)),
         ):
-            if _differentiable(x):
-                tape.watch(x)
-            outputs = stage.call_layers(x, training=True) if self.split_weights else None
-            y = stage.call(x, training=True) if outputs is None else outputs[-1]
+            for t in xs:
+                if _differentiable(t):
+                    tape.watch(t)
+            units, y = stage.units(x, training=True) if self.split_weights else (None, None)
+            y = stage.call(x, training=True) if units is None else y
             loss = self.loss_fn(step.microbatch, y) if last else None
+        ys = _leaves(y)
         # Later steps wait on a Snapshot of `y`, not on `y`'s op: grappler's remapper fuses no
         # activation that has control fan-outs (see `emit`). An Identity would not do: grappler
         # bypasses it and moves its control fan-outs back onto `y`'s op.
-        waited = y if tf.executing_eagerly() else tf.raw_ops.Snapshot(input=y)
-        gate = [waited] if loss is None else [waited, loss]
-        return {"x": x, "y": y, "outputs": outputs, "loss": loss, "tape": tape, "gate": gate}
+        gate = [t if tf.executing_eagerly() else tf.raw_ops.Snapshot(input=t) for t in ys]
+        gate += [] if loss is None else [loss]
+        return {"x": x, "xs": xs, "y": y, "ys": ys, "units": units, "loss": loss, "tape": tape, "gate": gate}
 
     def _backward(self, step):
         s, i = step.stage, step.microbatch
         forward = self.done[Op(s, Kind.FORWARD, i)]
         if s == self.num_stages - 1:
-            target, upstream = forward["loss"], None
+            targets, upstream = [forward["loss"]], None
         else:
-            target, upstream = forward["y"], self.done[Op(s + 1, Kind.BACKWARD, i)]["dx"]
-        needs_dx = s > 0 and _differentiable(forward["x"])
+            # Per tensor given to the next stage, the gradient it sends back (None: not a float).
+            sent = self.done[Op(s + 1, Kind.BACKWARD, i)]["dx"]
+            given = [(y, g) for y, g in zip(forward["ys"], sent) if g is not None]
+            targets, upstream = [y for y, _ in given], [g for _, g in given]
+        needs = [s > 0 and _differentiable(t) for t in forward["xs"]]
+        asked = [t for t, need in zip(forward["xs"], needs) if need]
         if self.split_weights:
-            return self._input_gradients(step, forward, target, upstream, needs_dx)
+            return self._input_gradients(step, forward, (targets, upstream), needs, asked)
         variables = self.stages[s].trainable_variables
-        sources = ([forward["x"]] if needs_dx else []) + variables
+        sources = asked + variables
         rewrite = self.stages[s].pretranspose and not tf.executing_eagerly()
         graph = tf.compat.v1.get_default_graph() if rewrite else None
         first = 0 if graph is None else len(graph.get_operations())
-        grads = forward["tape"].gradient(target, sources, output_gradients=upstream)
+        grads = _gradient(forward["tape"], targets, sources, upstream)
         if graph is not None:
             tf_graph_edit.pretranspose_matmul_weights(graph.get_operations()[first:], self.transposes)
-        dx = grads[0] if needs_dx else None
-        self._accumulate(s, i, grads[len(sources) - len(variables) :], variables)
+        dx = _input_grads(forward["xs"], needs, grads[: len(asked)])
+        self._accumulate(s, i, grads[len(asked) :], variables)
         # The sums belong to this step: the next step of the stage waits for them too.
         return {"dx": dx, "gate": _flat_outputs([dx, self.gradients[s]])}
 
     def _accumulate(self, s, i, grads, variables):
         grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
-        if not _never_empty(self.inputs[i]):
+        if not _never_empty(_leaves(self.inputs[i])[0]):
             # An empty micro-batch (a final batch smaller than D x M) adds nothing; a layer
             # with batch statistics (BatchNormalization) would give it NaN gradients.
-            empty = tf.equal(tf.shape(self.inputs[i])[0], 0)
+            empty = tf.equal(tf.shape(_leaves(self.inputs[i])[0])[0], 0)
             grads = [g if isinstance(g, tf.IndexedSlices) else _unless(empty, g) for g in grads]
         # Summed in micro-batch order (the B or W chain guarantees it), on the stage device;
         # a sparse gradient stays sparse, its rows in batch order (`_gradients`).
         acc = self.gradients[s]
         self.gradients[s] = grads if acc is None else [_gradients.add(a, g) for a, g in zip(acc, grads)]
 
-    def _input_gradients(self, step, forward, target, upstream, needs_dx):
-        """B of a split backward: the gradients of the stage input and of each layer output."""
-        outputs = forward["outputs"]
-        last = step.stage == self.num_stages - 1
-        # A middle stage's last output gradient is the upstream one; the last stage's comes
-        # from the loss. Non-float outputs (indices) have none.
-        asked = [k for k, y in enumerate(outputs) if _differentiable(y) and (last or k < len(outputs) - 1)]
-        sources = ([forward["x"]] if needs_dx else []) + [outputs[k] for k in asked]
+    def _input_gradients(self, step, forward, target, needs, asked_inputs):
+        """B of a split backward: the gradients of the stage input and of each unit's output.
+
+        `target`: (targets, upstream), the tensors differentiated and their output gradients.
+        """
+        targets, upstream = target
+        units = forward["units"]
+        consumed = {id(t) for unit in units for t in unit.inputs}
+        given = {} if upstream is None else {id(t): g for t, g in zip(targets, upstream)}
+        # An output given to the next stage and used by no later call of this one has the
+        # upstream gradient; the others are asked of the tape (the last stage's come from the
+        # loss). Non-float outputs (indices) have none.
+        asked = [
+            (k, j)
+            for k, unit in enumerate(units)
+            for j, y in enumerate(unit.outputs)
+            if _differentiable(y) and (id(y) not in given or id(y) in consumed)
+        ]
+        sources = asked_inputs + [units[k].outputs[j] for k, j in asked]
         rewrite = self.stages[step.stage].pretranspose and not tf.executing_eagerly()
         graph = tf.compat.v1.get_default_graph() if rewrite else None
         first = 0 if graph is None else len(graph.get_operations())
-        grads = forward["tape"].gradient(target, sources, output_gradients=upstream) if sources else []
+        grads = _gradient(forward["tape"], targets, sources, upstream) if sources else []
         if graph is not None:
             tf_graph_edit.pretranspose_matmul_weights(graph.get_operations()[first:], self.transposes)
-        dx = grads[0] if needs_dx else None
-        dys = [None] * len(outputs)
-        for k, g in zip(asked, grads[len(sources) - len(asked) :]):
-            dys[k] = g
-        if not last:
-            dys[-1] = upstream
+        dx = _input_grads(forward["xs"], needs, grads[: len(asked_inputs)])
+        dys = [[given.get(id(y)) for y in unit.outputs] for unit in units]
+        for (k, j), g in zip(asked, grads[len(asked_inputs) :]):
+            dys[k][j] = g
         return {"dx": dx, "dys": dys, "gate": _flat_outputs([dx, dys])}
 
     def _weight(self, step):
-        """W of a split backward: each layer's weight gradient from its output gradient."""
+        """W of a split backward: each unit's weight gradient from its output gradient."""
         s, i = step.stage, step.microbatch
         forward, dys = self.done[Op(s, Kind.FORWARD, i)], self.done[Op(s, Kind.BACKWARD, i)]["dys"]
-        grads = []
-        for layer, y, dy in zip(self.stages[s].layers, forward["outputs"], dys):
-            weights = layer.trainable_variables
-            if not weights or dy is None:
-                grads += [None] * len(weights)
-            elif tf.executing_eagerly():
-                grads += forward["tape"].gradient(y, weights, output_gradients=dy)
+        sums = {}
+        for unit, unit_dys in zip(forward["units"], dys):
+            pairs = [(y, dy) for y, dy in zip(unit.outputs, unit_dys) if dy is not None]
+            if not unit.weights or not pairs:
+                continue
+            ys, grad_ys = [y for y, _ in pairs], [dy for _, dy in pairs]
+            ys, grad_ys = (ys[0], grad_ys[0]) if len(ys) == 1 else (ys, grad_ys)
+            if tf.executing_eagerly():
+                if unit.shared:
+                    raise StrategyError(
+                        "A layer called twice in one pipeline stage cannot take a split backward "
+                        "(zb-h1, zb-v) when run eagerly. Expected run_eagerly=False, or another schedule."
+                    )
+                grads = forward["tape"].gradient(ys, unit.weights, output_gradients=grad_ys)
             else:
-                grads += tf.gradients(y, weights, grad_ys=dy)
-        self._accumulate(s, i, grads, self.stages[s].trainable_variables)
+                # A shared layer's call: its inputs held fixed, so each call adds its own part.
+                stop = unit.inputs if unit.shared else None
+                grads = tf.gradients(ys, unit.weights, grad_ys=grad_ys, stop_gradients=stop)
+            for weight, g in zip(unit.weights, grads):
+                if g is not None:
+                    key = id(weight)
+                    sums[key] = g if key not in sums else _gradients.add(sums[key], g)
+        variables = self.stages[s].trainable_variables
+        self._accumulate(s, i, [sums.get(id(v)) for v in variables], variables)
         return {"gate": _flat_outputs(self.gradients[s])}
+
+
+def _leaves(value):
+    """A stage's input or output as a list of tensors (a chain's: one)."""
+    return keras.tree.flatten(value)
+
+
+def _gradient(tape, targets, sources, upstream):
+    """`tape.gradient` of the targets (one tensor asked as such, as a chain's stage does)."""
+    if not targets:
+        return [None] * len(sources)  # nothing of the next stage's depends on this one's floats
+    if len(targets) == 1:
+        return tape.gradient(targets[0], sources, output_gradients=None if upstream is None else upstream[0])
+    return tape.gradient(targets, sources, output_gradients=upstream)
+
+
+def _input_grads(xs, needs, grads):
+    """Per stage input, its gradient (zeros where the stage did not use it), or None if not asked."""
+    found, out = iter(grads), []
+    for x, need in zip(xs, needs):
+        g = next(found) if need else None
+        out.append(tf.zeros_like(x) if need and g is None else g)
+    return out
 
 
 def _unless(empty, gradient):

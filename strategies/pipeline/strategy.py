@@ -1,10 +1,13 @@
 """`PipelineStrategy`: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V pipelines for Keras 3 on TensorFlow.
 
-The user's model (a `keras.Sequential`, or a functional model that is a chain of layers) is
-cut into S consecutive stages by the shared partitioner, and copied so that each stage's
-variables live on its device. `split` (alias `wrap`) returns a `PipelinedModel`, a `keras.Model` whose
-`train_step` splits each batch into M micro-batches and runs the schedule in one graph;
-`compile`, `fit`, `evaluate`, `predict`, callbacks and `save_weights` stay Keras's.
+The user's model (a `keras.Sequential`, or any functional model) is cut into S consecutive
+stages by the shared partitioner, and copied so that each stage's variables live on its
+device. A chain is cut between layers; any other functional graph (branches, skips, several
+inputs and outputs, raw `keras.ops` calls, nested models) between its calls in topological
+order, every tensor live across a cut carried over it (`pipeline.graph`). `split` (alias
+`wrap`) returns a `PipelinedModel`, a `keras.Model` whose `train_step` splits each batch into
+M micro-batches and runs the schedule in one graph; `compile`, `fit`, `evaluate`,
+`predict`, callbacks and `save_weights` stay Keras's.
 
 Example:
 
@@ -163,43 +166,31 @@ class PipelineStrategy:
         left as it was. `pipelined.partition` reports the chosen split.
 
         Args:
-            model: a built `keras.Sequential` or functional chain model.
-            sample_input: a batch for the first layer; needed by balance="time".
+            model: a built `keras.Sequential` or functional model, any graph: a chain is
+                cut between layers, any other graph between its calls in topological order
+                (`pipeline.graph`: each stage takes every tensor live across the cut before
+                it; `partition` names them). A shared layer's calls must fall in one stage.
+            sample_input: a batch for the first layer; needed by balance="time" (chains only).
 
         Returns:
             A `PipelinedModel` (a `keras.Model`).
 
         Raises:
-            BalanceError: the model cannot be cut (branches, subclassed, fewer layers
-                than stages, an invalid explicit balance).
+            BalanceError: the model cannot be cut (subclassed, fewer layers than stages,
+                an invalid explicit balance, balance="time" on a graph, a shared layer
+                called in two stages).
             StrategyError: the model is not built or has activity regularisers.
         """
-        from tfscale.strategies.pipeline.model import PipelinedModel
-
-        layers = _partition.chain_layers(model)
-        config = _partition.graph_config(model)
-        if config is not None and isinstance(config["output_layers"], dict):
-            raise StrategyError(
-                f"Cannot pipeline model {model.name!r}: its outputs are a dict "
-                f"{sorted(config['output_layers'])}; a pipeline has one plain output. Build it with "
-                "outputs=<the tensor> (and compile with one loss, no dict of losses or loss_weights)."
-            )
         inputs = model_input(model) if model.built else None
         if inputs is None:
             raise StrategyError(
                 f"Model {model.name!r} is not built. Expected a built model (keras.Input or "
                 "model.build(input_shape)): its stages are placed on devices from their shapes."
             )
-        for layer in layers:
-            if getattr(layer, "activity_regularizer", None) is not None:
-                raise StrategyError(
-                    f"Layer {layer.name!r} has an activity regulariser, which a pipeline cannot "
-                    "sum over micro-batches like Keras does. Expected layers without one."
-                )
-        if self.num_microbatches > 1 and not self.microbatch_statistics:
-            _refuse_per_microbatch_layers(layers, self.num_microbatches)
-        if self.recompute:
-            _refuse_stateful_layers_under_recompute(layers)
+        if _is_graph(model):
+            return self._split_graph(model)
+        layers = _partition.chain_layers(model)
+        self._refuse_layers(layers)
         call_kwargs = _call_kwargs(model, layers)
         counts = _partition.balance(layers, len(self.stage_devices), self.balance, sample_input)
         partition = _partition.describe(layers, counts, self.stage_devices)
@@ -213,11 +204,62 @@ class PipelineStrategy:
         # files load into it), made of the placed copies.
         unsplit = keras.models.clone_model(model, clone_function=lambda layer: by_layer[id(layer)])
         replicas = [self._stages(copies, counts, self.stage_devices, call_kwargs)]
-        for group in self.replica_devices[1:]:
+        for devices in self._replica_stage_devices():
             # Replicas 1..D-1: untracked copies (replica 0 is the model Keras saves).
-            devices = schedules.stage_devices(group, self.num_stages * self.virtual_stages, self.schedule)
             copies_r = clone_chain(layers, counts, devices, inputs)[0]
             replicas.append(self._stages(copies_r, counts, devices, call_kwargs))
+        return self._pipelined(model, unsplit, replicas, partition)
+
+    wrap = split  # The first name of `split`, kept for callers.
+
+    def _split_graph(self, model):
+        """`split` of a functional graph that is not a chain (`pipeline.graph`)."""
+        from tfscale.strategies.pipeline.graph import graph_stages
+
+        def stages_on(devices):
+            copy, stages, partition = graph_stages(
+                model, devices, self.balance, self.recompute, self.serialize_stages
+            )
+            _check_placed(stages)
+            return copy, stages, partition
+
+        unsplit, stages, partition = stages_on(self.stage_devices)
+        self._refuse_layers([layer for stage in stages for layer in stage.layers])
+        for part in partition:
+            _log.info(
+                "pipeline stage on %s: %d params, calls %s, takes %s, gives %s",
+                part["device"],
+                part["params"],
+                part["calls"],
+                part["takes"],
+                part["gives"],
+            )
+        replicas = [stages] + [stages_on(devices)[1] for devices in self._replica_stage_devices()]
+        return self._pipelined(model, unsplit, replicas, partition)
+
+    def _replica_stage_devices(self):
+        """Per data-parallel replica 1..D-1, its S x V stage devices."""
+        count = self.num_stages * self.virtual_stages
+        return [schedules.stage_devices(group, count, self.schedule) for group in self.replica_devices[1:]]
+
+    def _refuse_layers(self, layers):
+        """Refuses what a pipeline of these options cannot train as one device does."""
+        for layer in layers:
+            if getattr(layer, "activity_regularizer", None) is not None:
+                raise StrategyError(
+                    f"Layer {layer.name!r} has an activity regulariser, which a pipeline cannot "
+                    "sum over micro-batches like Keras does. Expected layers without one."
+                )
+        if self.num_microbatches > 1 and not self.microbatch_statistics:
+            _refuse_per_microbatch_layers(layers, self.num_microbatches)
+        if self.recompute:
+            _refuse_stateful_layers_under_recompute(layers)
+
+    def _pipelined(self, model, unsplit, replicas, partition):
+        """The `PipelinedModel` of replicas' stages (replica 0's layers: `unsplit`'s)."""
+        from tfscale.strategies.pipeline.model import PipelinedModel
+
+        copies = [layer for stage in replicas[0] for layer in stage.layers]
         if self.data_parallel > 1 or self.num_microbatches > 1:
             # Each copy's and each micro-batch's Dropout draws its rows of one device's mask.
             for r, stages in enumerate(replicas):
@@ -239,8 +281,6 @@ class PipelineStrategy:
             virtual_stages=self.virtual_stages,
             replicas=replicas,
         )
-
-    wrap = split  # The first name of `split`, kept for callers.
 
     def merge(self, pipelined):
         """The user's architecture (on the default device) holding `pipelined`'s weights.
@@ -275,14 +315,30 @@ class PipelineStrategy:
                 call_kwargs=call_kwargs[start : start + count],
             )
             start += count
-            for variable in (w for layer in stage.layers for w in layer.weights):
-                if device_key(variable_device(variable)) != device_key(device):
-                    raise StrategyError(
-                        f"Variable {variable.path!r} of stage {index} was created on "
-                        f"{variable_device(variable)!r}, expected {device!r}."
-                    )
             stages.append(stage)
+        _check_placed(stages)
         return stages
+
+
+def _is_graph(model):
+    """Whether `model` is a functional graph that is not a chain of one input and output."""
+    if isinstance(model, keras.Sequential):
+        return False
+    config = _partition.graph_config(model)
+    if config is None:
+        return False  # subclassed: `chain_layers` refuses it in one line
+    return isinstance(config["output_layers"], dict) or not _partition.is_chain(model)
+
+
+def _check_placed(stages):
+    """Raises `StrategyError` if a stage's variable is not on its stage's device."""
+    for stage in stages:
+        for variable in (w for layer in stage.layers for w in layer.weights):
+            if device_key(variable_device(variable)) != device_key(stage.device):
+                raise StrategyError(
+                    f"Variable {variable.path!r} of stage {stage.index} was created on "
+                    f"{variable_device(variable)!r}, expected {stage.device!r}."
+                )
 
 
 def _call_kwargs(model, layers):

@@ -5,6 +5,7 @@ import weakref
 import keras
 
 from tfscale import _strategy_spec as _spec
+from tfscale.compat import keras_add
 from tfscale.strategies import _partition, _parts
 from tfscale.strategies._devices import local_device_names, resolve_devices
 from tfscale.strategies._errors import StrategyError
@@ -77,6 +78,9 @@ class ModelSplitStrategy:
         accepted = list(self.__signature__.parameters)
         reject_unknown("model_split", set(options) - set(accepted), accepted)
         options = _spec.OPTIONS["model_split"](**options)
+        # A micro-batch or a copy's slice has fewer rows than the user's batch: Keras's `add`
+        # must not meet the one size where it adds a (batch, 1) term along the channels.
+        keras_add.add_by_broadcasting()
         balance, tensor_parallel, tensor_layers = (
             options.balance,
             options.tensor_parallel,

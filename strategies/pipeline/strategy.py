@@ -27,6 +27,7 @@ import logging
 import keras
 
 from tfscale import _strategy_spec as _spec
+from tfscale.compat import keras_add
 from tfscale.strategies import _partition, _parts, _replicas
 from tfscale.strategies._devices import available_devices, device_key, device_type, resolve_devices
 from tfscale.strategies._errors import StrategyError
@@ -102,6 +103,9 @@ class PipelineStrategy:
         accepted = list(self.__signature__.parameters)
         reject_unknown("pipeline", set(options) - set(accepted), accepted)
         options = _spec.OPTIONS["pipeline"](**options)
+        # A micro-batch or a copy's slice has fewer rows than the user's batch: Keras's `add`
+        # must not meet the one size where it adds a (batch, 1) term along the channels.
+        keras_add.add_by_broadcasting()
         schedule, recompute = options.schedule, options.recompute
         deferred_batch_norm, serialize_stages = options.deferred_batch_norm, options.serialize_stages
         microbatch_statistics = options.microbatch_statistics

@@ -4,7 +4,7 @@ The sets of fixes each strategy needs live here, once, so their users cannot dri
 
 - `apply_every_strategy_fixes()`: what `tfscale.strategies.get` applies for every strategy
   it builds (custom-gradient graphs freed, input iterators parked, `steps_per_execution`
-  step by step);
+  step by step, `keras.ops.add` broadcasting a (batch, 1) term whatever the batch size);
 - `apply_strategy_fixes()`: everything a `MirroredStrategy` / `MultiWorkerMirroredStrategy`
   needs for one-device results, the above plus `apply_multi_worker_fixes()` (`fit` works
   under MWMS; uneven per-replica batches), `apply_optimizer_fixes()` (clipping after the
@@ -23,6 +23,7 @@ Keras/TensorFlow internals are gone.
 """
 
 from tfscale.compat import (
+    keras_add,
     keras_batch_norm,
     keras_loss_denominator,
     keras_multi_worker,
@@ -58,6 +59,9 @@ def apply_every_strategy_fixes():
     keras_symbolic_build.park_interrupted_inputs()
     # steps_per_execution > 1 crashes Keras's multi-step loop on 2+ replicas (see there).
     keras_steps_per_execution.run_executions_step_by_step()
+    # Keras adds a (batch, 1) term along the channels when a replica's, copy's or micro-batch's
+    # rows equal the channels (see there).
+    keras_add.add_by_broadcasting()
 
 
 def apply_strategy_fixes():

@@ -58,6 +58,16 @@ rounded twice. Measured: up to ~1e-3 (pipeline M=1 D=2, Nesterov SGD). Its limit
 computing some layers in float32 instead is within it too on these small models (a tensor
 split whose shards lost the policy: 7e-4); a loss not scaled, or any float32 difference, is
 not (pipeline without `scale_loss`: 0.05).
+ADAPTIVE_MIXED_TOLERANCE (mixed_float16, a mode that cuts the batch (M > 1, D > 1, mirrored,
+ZeRO), an optimizer whose update is not proportional to the gradient: all but the SGD
+ones): 5e-3. Each part of a cut batch rounds its float16 activation gradients on its own
+(~1e-5 absolute), and Adam-like optimizers divide a weight's moment by its root mean square
+(Lion takes its sign): where a gradient stays near that rounding (~2e-4), the update moves by
+a tenth of the learning rate. Measured on the graph family with Adam, AdamW and a loss-scaled
+Adam: 0.0022 alike under mirrored, ZeRO-1, the layer split at D = 2 and every pipeline at
+M = 2 on this AVX-512 machine (earlier CI machines stayed within 1e-3), while float32, and SGD in
+float16, stay within their tolerances. Past mixed-precision bugs stay outside it: a loss not
+scaled (0.05), a stage's fusion differing from Keras's under Adam (0.03, REGRESSIONS).
 """
 
 import contextlib
@@ -74,6 +84,8 @@ import numpy as np
 
 TOLERANCE = 1e-5
 MIXED_TOLERANCE = 1e-3  # mixed_float16: float16 sums reassociated (module docstring)
+ADAPTIVE_MIXED_TOLERANCE = 5e-3  # and the batch split, under an update not proportional to the gradient
+_PROPORTIONAL = ("sgd", "sgd_momentum", "sgd_nesterov")  # updates proportional to the gradients
 SEED = 7
 CI_CASES = 60  # measured ~14 s a case on 2 cores shared by 8 jobs; ~4 s estimated quiet: ~4 min
 BATCH, SAMPLES, EPOCHS = 8, 16, 2
@@ -801,7 +813,10 @@ def _changed(before, after):
 
 
 def tolerance(case):
-    return MIXED_TOLERANCE if case.option == "mixed_float16" else TOLERANCE
+    if case.option != "mixed_float16":
+        return TOLERANCE
+    splits = case.m > 1 or case.dp > 1 or case.mode in REPLICATED
+    return ADAPTIVE_MIXED_TOLERANCE if splits and case.optimizer not in _PROPORTIONAL else MIXED_TOLERANCE
 
 
 def compare(case, ref, got):

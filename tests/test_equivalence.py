@@ -29,18 +29,7 @@ WIDE_TIER = os.environ.get("TFSCALE_EQUIVALENCE")  # "ci" or "full": on demand
 
 # Open differences, each a strict xfail with its reason: listed, never hidden, and a case
 # that starts to pass fails the run until it is taken off this list.
-KNOWN = {
-    # Not the pipeline's: any halving of the batch gives it. float16 rounds each half's
-    # activation gradients on its own (~1e-5 absolute); Adam divides the moment of a weight
-    # whose gradient stays ~2e-4 by its root mean square, so that rounding moves the update
-    # by a tenth of the learning rate, 0.0022 after 4 steps (the tolerance: 1e-3). The layer
-    # split at data_parallel=2 is off by the same 0.0022 on the code before pipelines took
-    # graphs (layer-1-2-adam-mixed_float16-graph-fit); in float32, or with SGD, RMSprop or
-    # Adagrad, every mode is within tolerance.
-    "zb-v-2-1-loss_scale-mixed_float16-graph-get_set_weights": (
-        "float16 rounding of a halved batch, scaled up by Adam where a gradient is ~2e-4"
-    ),
-}
+KNOWN = {}  # none open (the last: mirrored's Dropout masks, tfscale/compat/keras_random_layers.py)
 
 
 def _param(case):

@@ -20,11 +20,12 @@ from tfscale.strategies._partition import (
     graph_config,
     layer_bytes,
     layer_params,
+    tensor_configs,
     tensor_histories,
     tensor_specs,
 )
 
-__all__ = ["Call", "Plan", "calls_of", "describe", "plan", "tensor_label"]
+__all__ = ["Call", "Plan", "calls_of", "carried_bytes", "describe", "plan", "tensor_label"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Plan:
     outputs: tuple  # the model's output tensors
     carried: tuple  # per cut, the tensors crossing it
     home: dict
+    carried_bytes: tuple = ()  # per cut, the bytes per sample of the tensors crossing it
 
     def takes(self, part):
         return self.inputs if part == 0 else self.carried[part - 1]
@@ -125,6 +127,51 @@ def _output_keys(config):
     return tuple(keys)
 
 
+def carried_bytes(calls, config):
+    """Per position i of `calls`, the bytes per sample of the tensors a cut before call i carries.
+
+    Every tensor made before call i (the model's inputs included) and used by call i or a
+    later one, or a model output, crosses that cut. A tensor's size is read from the config
+    (its shape past the batch and its dtype where a call takes it); a model output no call
+    takes counts 0 (its shape is not in the config).
+    """
+    sizes = tensor_sizes(config)
+    position = {(c.layer, c.node): i for i, c in enumerate(calls)}
+    last = {}
+    for i, call in enumerate(calls):
+        for key in call.inputs:
+            last[key] = max(last.get(key, i), i)
+    for key in _output_keys(config):
+        last[key] = len(calls)
+    costs = [0.0] * len(calls)
+    for key, end in last.items():
+        start = position.get(tuple(key[:2]), -1) + 1  # the first cut it crosses is before `start`
+        for i in range(max(start, 1), min(end, len(calls) - 1) + 1):
+            costs[i] += sizes.get(key, 0)
+    return costs
+
+
+def tensor_sizes(config):
+    """{tensor key: bytes per sample}, for every tensor a call of the graph takes."""
+    sizes = {}
+    for entry in config["layers"]:
+        for node in entry["inbound_nodes"]:
+            for spec in tensor_configs(node):
+                sizes[tuple(spec["keras_history"])] = _sample_bytes(spec.get("shape"), spec.get("dtype"))
+    return sizes
+
+
+_DTYPE_BYTES = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "bool": 1}
+
+
+def _sample_bytes(shape, dtype):
+    """Bytes of one sample of a tensor of `shape` (batch first; unknown dimensions count 1)."""
+    count = 1
+    for d in list(shape or [])[1:]:
+        count *= d if isinstance(d, int) and d > 0 else 1
+    return float(count * _DTYPE_BYTES.get(str(dtype), 4))
+
+
 class _Unit(collections.namedtuple("_Unit", ["name", "built", "weights"])):
     """A call as `_partition.balance` weighs a layer: a shared layer's weights on its first call."""
 
@@ -164,7 +211,9 @@ def plan(model, num_parts, method=None):
             "'parameters', 'uniform' or a list of call counts per device."
         )
     calls, config = calls_of(model)
-    counts = balance(_units(model, calls), num_parts, method)
+    # Of the cuts that balance equally well, those carrying the fewest bytes (a tensor live
+    # across two cuts costs at both): the stages' transfers and the activations they hold.
+    counts = balance(_units(model, calls), num_parts, method, cut_costs=carried_bytes(calls, config))
     parts, start = [], 0
     for count in counts:
         parts.append(tuple(calls[start : start + count]))
@@ -189,7 +238,9 @@ def plan(model, num_parts, method=None):
     for p, part in enumerate(parts):
         for call in part:
             home.setdefault(call.layer, p)
-    return Plan(tuple(parts), inputs, outputs, carried, home)
+    sizes = tensor_sizes(config)
+    carried_sizes = tuple(sum(sizes.get(key, 0.0) for key in keys) for keys in carried)
+    return Plan(tuple(parts), inputs, outputs, carried, home, carried_sizes)
 
 
 def describe(model, the_plan, devices):
@@ -200,7 +251,8 @@ def describe(model, the_plan, devices):
         variables live there; raw ops are only in "calls"), "params", "param_bytes",
         "calls" (the calls it runs, `name#k` for the k-th call of a shared layer),
         "takes" and "gives" (the tensors crossing its cuts, as `tensor_label`s: every
-        live tensor, the skips passing through included), and "shared" ({layer: device
+        live tensor, the skips passing through included), "gives_bytes" (the bytes per
+        sample of what it gives the next part; None for the last), and "shared" ({layer: device
         it lives on} for calls of a layer placed on another part).
     """
     operations = {op.name: op for op in model.operations}
@@ -218,6 +270,8 @@ def describe(model, the_plan, devices):
                 "calls": [c.label for c in part],
                 "takes": [tensor_label(key) for key in the_plan.takes(p)],
                 "gives": [tensor_label(key) for key in the_plan.gives(p)],
+                # Per sample: the bytes a micro-batch of n rows sends over this cut are n x this.
+                "gives_bytes": int(the_plan.carried_bytes[p]) if p < len(the_plan.carried_bytes) else None,
                 "shared": {
                     c.layer: devices[the_plan.home[c.layer]] for c in part if the_plan.home[c.layer] != p
                 },

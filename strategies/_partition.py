@@ -101,11 +101,16 @@ def graph_config(model):
 def tensor_histories(node):
     """The `keras_history` (layer, node, tensor) of every tensor argument of a serialized node,
     in argument order; constants are skipped."""
+    return [tuple(spec["keras_history"]) for spec in tensor_configs(node)]
+
+
+def tensor_configs(node):
+    """The config (shape, dtype, keras_history) of every tensor argument of a serialized node."""
     found = []
 
     def visit(value):
         if isinstance(value, dict) and value.get("class_name") == "__keras_tensor__":
-            found.append(tuple(value["config"]["keras_history"]))
+            found.append(value["config"])
         elif isinstance(value, (list, tuple)):
             for v in value:
                 visit(v)
@@ -211,7 +216,7 @@ def layer_bytes(layer):
     return int(sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in layer.weights))
 
 
-def balance(layers, num_parts, method=None, sample_input=None):
+def balance(layers, num_parts, method=None, sample_input=None, cut_costs=None):
     """Cuts a chain of layers into `num_parts` consecutive parts.
 
     Args:
@@ -223,6 +228,9 @@ def balance(layers, num_parts, method=None, sample_input=None):
             "uniform" (by layer count), "time" (by each layer's measured forward + backward
             time on `sample_input`), or an explicit list of layer counts per part.
         sample_input: a batch for the first layer; needed by "time" only.
+        cut_costs: optional, per position i (1 .. len(layers) - 1) the cost of a cut before
+            layer i (a graph's bytes crossing it); among the partitions whose largest part is
+            minimal, the cheapest cuts are taken (`partition`). Not used by an explicit list.
 
     Returns:
         A list of `num_parts` positive ints, the number of consecutive layers in each part,
@@ -258,7 +266,7 @@ def balance(layers, num_parts, method=None, sample_input=None):
             f"Invalid value for argument `balance`. Received: balance={method!r}. Expected one "
             f"of {list(_spec.BALANCE_METHODS)} or a list of layer counts per part."
         )
-    return partition(weights, num_parts)
+    return partition(weights, num_parts, cut_costs)
 
 
 def _check_explicit(counts, num_layers, num_parts):
@@ -319,15 +327,19 @@ def _time_layer(layer, x):
     return y, min(timings[1:])
 
 
-def partition(weights, num_parts):
+def partition(weights, num_parts, cut_costs=None):
     """Contiguous partition minimising the largest part's weight (exact), then evening out.
 
-    Among the partitions whose largest part is minimal, the one with the smallest sum of
-    squared part weights is returned, so that the smaller parts are as even as they can be.
+    Among the partitions whose largest part is minimal (with `cut_costs`: up to the items of
+    no weight, which may join either side of a cut), the one with the smallest sum of
+    `cut_costs` at its cuts is returned (none given: all cuts cost the same), then, of those,
+    the one with the smallest sum of squared part weights, so that the smaller parts are as
+    even as they can be.
 
     Args:
         weights: a non-negative weight per item.
         num_parts: 1 <= num_parts <= len(weights).
+        cut_costs: optional, `cut_costs[i]` the cost of a cut before item i (index 0 unused).
 
     Returns:
         The number of items in each part.
@@ -335,19 +347,25 @@ def partition(weights, num_parts):
     n = len(weights)
     prefix = np.concatenate([[0.0], np.cumsum(weights, dtype=np.float64)])
     cap = _min_max_part(prefix, n, num_parts) * (1 + 1e-9)
+    if cut_costs is not None:
+        # Items of no weight (a merge, an activation, a raw op: `_EPSILON`) may join either
+        # neighbour, the largest part's too, so that the cut can move to where less crosses.
+        cap += sum(w for w in weights if w <= _EPSILON)
     inf = float("inf")
-    # cost[j][i]: least sum of squares of j parts covering the first i items, each <= cap.
-    cost = np.full((num_parts + 1, n + 1), inf)
+    costs = [0.0] * (n + 1) if cut_costs is None else [*cut_costs, 0.0][: n + 1]
+    # cost[j][i]: (least sum of cut costs, then of squares) of j parts covering the first i
+    # items, each <= cap; a part's cut cost is that of its start (none for the first).
+    cost = np.full((num_parts + 1, n + 1, 2), inf)
     cut = np.zeros((num_parts + 1, n + 1), dtype=int)
-    cost[0][0] = 0.0
+    cost[0][0] = (0.0, 0.0)
     for j in range(1, num_parts + 1):
         for i in range(j, n - (num_parts - j) + 1):
             for k in range(j - 1, i):
                 part = prefix[i] - prefix[k]
-                if part > cap or cost[j - 1][k] == inf:
+                if part > cap or cost[j - 1][k][0] == inf:
                     continue
-                total = cost[j - 1][k] + part * part
-                if total < cost[j][i]:
+                total = (cost[j - 1][k][0] + (costs[k] if k else 0.0), cost[j - 1][k][1] + part * part)
+                if tuple(total) < tuple(cost[j][i]):
                     cost[j][i], cut[j][i] = total, k
     counts, i = [], n
     for j in range(num_parts, 0, -1):

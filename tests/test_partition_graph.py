@@ -309,3 +309,22 @@ def test_a_subclassed_model_is_refused_in_one_line_with_what_to_do():
 def test_balance_time_on_a_graph_is_refused_in_one_line():
     with pytest.raises(BalanceError, match=r"balance='time' for model 'residual'.*'parameters', 'uniform'"):
         ModelSplitStrategy(num_devices=2, balance="time").split(residual(), sample_input=_data()[0])
+
+
+def residual_tail():
+    """Two Dense layers, their sum (no parameters), two more: two cuts that balance alike."""
+    x = keras.Input((8,))
+    a = keras.layers.Dense(32, name="a")(x)  # 288 parameters
+    b = keras.layers.Dense(32, name="b")(a)  # 1056
+    h = keras.layers.Dense(32, name="c")(keras.layers.Add(name="sum")([a, b]))  # 1056
+    return keras.Model(x, keras.layers.Dense(4, name="out")(h))  # 132
+
+
+def test_of_cuts_that_balance_alike_the_one_carrying_fewer_bytes_is_taken():
+    # By parameters, "a, b | sum, c, out" and "a, b, sum | c, out" have the same largest part
+    # (1344); the first carries a and b (2 x 32 floats a sample), the second only their sum.
+    strategy = ModelSplitStrategy(num_devices=2, balance="parameters")
+    strategy.split(residual_tail())
+    first, second = strategy.placement
+    assert first["calls"] == ["a", "b", "sum"] and first["gives"] == ["sum:0"]
+    assert first["gives_bytes"] == 32 * 4 and second["gives_bytes"] is None

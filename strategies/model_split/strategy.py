@@ -19,7 +19,7 @@ from tfscale.strategies.model_split.tensor_split import model_input, tensor_spli
 
 __all__ = ["ModelSplitStrategy"]
 
-_CUT_KEYS = ("calls", "takes", "gives", "shared")
+_CUT_KEYS = ("calls", "takes", "gives", "gives_bytes", "shared")
 
 
 class ModelSplitStrategy:

@@ -44,6 +44,15 @@ def seeded(build, seed):
     return build()
 
 
+def seeded_twins(build, seed=3):
+    """Two models of `build()` from one seed, the second given the first's weights (a reference
+    and the one a mode splits: the same layers, names and starting point)."""
+    model = seeded(build, seed)
+    twin = seeded(build, seed)
+    twin.set_weights(model.get_weights())
+    return model, twin
+
+
 def mlp(extra=0):
     """6 -> 3 regression MLP; `extra` more Dense(10, tanh) layers make room for more stages."""
     return keras.Sequential(

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _model_helpers import seeded_twins
 
 from tfscale.strategies import ModelSplitError, ModelSplitStrategy
 
@@ -47,12 +48,7 @@ def _optimizer(spec):
 
 def assert_like_keras(build, options, x, y, optimizer, **fit_kwargs):
     """Trains `build()` in plain Keras and split by `options`; losses, weights and predictions agree."""
-    keras.utils.set_random_seed(3)
-    model = build()
-    initial = model.get_weights()
-    keras.utils.set_random_seed(3)
-    twin = build()
-    twin.set_weights(initial)
+    model, twin = seeded_twins(build)
     strategy = ModelSplitStrategy(**options)
     split = strategy.split(twin)
     want = _fit(model, x, y, _optimizer(optimizer), **fit_kwargs)

@@ -15,6 +15,7 @@ leaving the last part for the loss; and `data_parallel=2` copies of a graph spli
 import keras
 import numpy as np
 import pytest
+from _model_helpers import seeded_twins
 
 from tfscale.strategies import BalanceError, ModelSplitStrategy
 from tfscale.strategies._placement import device_of
@@ -36,12 +37,7 @@ def _close(got, want, what):
 
 def assert_like_keras(build, options, x, y, *, epochs=2, **compile_kwargs):
     """Plain Keras and the split of `build()` trained alike; returns (strategy, split)."""
-    keras.utils.set_random_seed(3)
-    model = build()
-    initial = model.get_weights()
-    keras.utils.set_random_seed(3)
-    twin = build()
-    twin.set_weights(initial)
+    model, twin = seeded_twins(build)
     strategy = ModelSplitStrategy(**options)
     split = strategy.split(twin)
     histories = []
@@ -175,23 +171,28 @@ def two_towers(structure):
     return build
 
 
-@pytest.mark.parametrize("structure", ["list", "dict"])
-def test_two_inputs_two_outputs_with_loss_weights_and_metrics_per_output(structure):
+def two_tower_data(structure):
+    """(x, y, compile keyword arguments) for `two_towers(structure)`: a loss, a loss weight
+    and a metric per output, as a list or a dict by output name."""
     rng = np.random.RandomState(1)
     user, item = rng.randn(32, 6).astype("float32"), rng.randn(32, 5).astype("float32")
     score, kind = rng.randn(32, 1).astype("float32"), rng.randint(0, 3, (32,)).astype("int32")
     losses, weights, metrics = ("mse", "sparse_categorical_crossentropy"), (0.5, 2.0), (["mae"], ["accuracy"])
     if structure == "dict":
         names = ("score", "kind")
-        x, y = {"user": user, "item": item}, dict(zip(names, (score, kind)))
         compile_kwargs = {
             "loss": dict(zip(names, losses)),
             "loss_weights": dict(zip(names, weights)),
             "metrics": dict(zip(names, metrics)),
         }
-    else:
-        x, y = [user, item], [score, kind]
-        compile_kwargs = {"loss": list(losses), "loss_weights": list(weights), "metrics": list(metrics)}
+        return {"user": user, "item": item}, dict(zip(names, (score, kind))), compile_kwargs
+    compile_kwargs = {"loss": list(losses), "loss_weights": list(weights), "metrics": list(metrics)}
+    return [user, item], [score, kind], compile_kwargs
+
+
+@pytest.mark.parametrize("structure", ["list", "dict"])
+def test_two_inputs_two_outputs_with_loss_weights_and_metrics_per_output(structure):
+    x, y, compile_kwargs = two_tower_data(structure)
     strategy, _ = assert_like_keras(two_towers(structure), {"num_devices": 3}, x, y, **compile_kwargs)
     assert sorted(strategy.placement[0]["takes"]) == ["item:0", "user:0"]
     assert sorted(strategy.placement[-1]["gives"]) == ["kind:0", "score:0"]

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 import test_partition_graph as graphs
+from _model_helpers import seeded_twins
 
 import tfscale
 from tfscale.strategies import BalanceError, PipelineStrategy
@@ -43,12 +44,7 @@ def _close(got, want, what):
 
 def assert_like_keras(build, options, x, y, *, epochs=2, batch_size=8, optimizer=None, **compile_kwargs):
     """Plain Keras and the pipeline of `build()` trained alike; returns (strategy, pipelined)."""
-    keras.utils.set_random_seed(3)
-    model = build()
-    initial = model.get_weights()
-    keras.utils.set_random_seed(3)
-    twin = build()
-    twin.set_weights(initial)
+    model, twin = seeded_twins(build)
     strategy = PipelineStrategy(**options)
     pipelined = strategy.split(twin)
     histories = []
@@ -169,21 +165,7 @@ def test_a_skip_over_every_cut_passes_through_the_stages_between():
 
 @pytest.mark.parametrize("structure", ["list", "dict"])
 def test_two_inputs_two_outputs_with_loss_weights_and_metrics_per_output(structure):
-    rng = np.random.RandomState(1)
-    user, item = rng.randn(32, 6).astype("float32"), rng.randn(32, 5).astype("float32")
-    score, kind = rng.randn(32, 1).astype("float32"), rng.randint(0, 3, (32,)).astype("int32")
-    losses, weights, metrics = ("mse", "sparse_categorical_crossentropy"), (0.5, 2.0), (["mae"], ["accuracy"])
-    if structure == "dict":
-        names = ("score", "kind")
-        x, y = {"user": user, "item": item}, dict(zip(names, (score, kind)))
-        compile_kwargs = {
-            "loss": dict(zip(names, losses)),
-            "loss_weights": dict(zip(names, weights)),
-            "metrics": dict(zip(names, metrics)),
-        }
-    else:
-        x, y = [user, item], [score, kind]
-        compile_kwargs = {"loss": list(losses), "loss_weights": list(weights), "metrics": list(metrics)}
+    x, y, compile_kwargs = graphs.two_tower_data(structure)
     options = {"num_stages": 2, "num_microbatches": 4, "schedule": "1f1b", "data_parallel": 2}
     _, pipelined = assert_like_keras(graphs.two_towers(structure), options, x, y, **compile_kwargs)
     assert sorted(pipelined.partition[0]["takes"]) == ["item:0", "user:0"]

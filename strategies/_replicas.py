@@ -280,6 +280,11 @@ def layer_tree(holders):
 _BATCH_ROWS = []
 
 
+def batch_rows(value):
+    """A batch's rows: those of `value`'s first tensor (a tensor, or a list / dict of them)."""
+    return tf.shape(keras.tree.flatten(value)[0])[0]
+
+
 @contextlib.contextmanager
 def whole_batch_rows(n, one_copy=False):
     """While a step is traced: the batch has `n` rows, cut into `count` slices one sample

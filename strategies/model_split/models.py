@@ -19,6 +19,7 @@ from tfscale.strategies._placement import on_device, place_slots_with_variables
 from tfscale.strategies._replicas import (
     Replicas,
     SyncedReplicas,
+    batch_rows,
     draw_as_whole_batch,
     slice_sizes,
     whole_batch_rows,
@@ -325,7 +326,7 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
 
     def call(self, inputs, training=False):
         # Copy 0 alone: a layer drawing in inference too takes all rows of one device's draws.
-        with whole_batch_rows(tf.shape(keras.tree.flatten(inputs)[0])[0], one_copy=True):
+        with whole_batch_rows(batch_rows(inputs), one_copy=True):
             return self.primary(inputs, training=training)
 
     def compile(self, *args, **kwargs):
@@ -341,7 +342,7 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        batch = tf.shape(keras.tree.flatten(x)[0])[0]
+        batch = batch_rows(x)
         with whole_batch_rows(batch):  # Dropout's rows of one device's mask, in any slice size
             return self._train_step(x, y, sample_weight, batch)
 
@@ -356,7 +357,7 @@ class DataParallelSplit(SyncedReplicas, keras.Model):
         for tape, model, x_r in zip(tapes, models, xs):
             with tape:
                 y_preds.append(model(x_r, training=True))
-        rows = [tf.shape(keras.tree.flatten(x_r)[0])[0] for x_r in xs]
+        rows = [batch_rows(x_r) for x_r in xs]
         weights = _masked_slice_weights(reduction, y_preds) or slice_weights(reduction, sws, d, sizes=rows)
         gradients, terms = [], []
         for r, (tape, model, y_pred) in enumerate(zip(tapes, models, y_preds)):

@@ -139,7 +139,7 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         parts = _split_even(inputs, self.num_microbatches)
         # A layer that draws in inference too takes its micro-batch's rows of one device's
         # numbers (`_replicas.draw_as_whole_batch`): it needs the whole batch's size.
-        with _replicas.whole_batch_rows(_rows(inputs), one_copy=True):
+        with _replicas.whole_batch_rows(_replicas.batch_rows(inputs), one_copy=True):
             outputs = _step.forward_only(self.stages, parts, training=training)
         with tf.device(self.stages[-1].device):
             return _concat_masked(outputs)
@@ -175,13 +175,13 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         # With one micro-batch per copy, each copy's Dropout draws its rows of one device's
         # mask (`_replicas.draw_as_whole_batch`): it needs the whole batch's size.
-        with _replicas.whole_batch_rows(_rows(x)):
+        with _replicas.whole_batch_rows(_replicas.batch_rows(x)):
             return self._train_step(x, y, sample_weight)
 
     def _train_step(self, x, y, sample_weight):
         m, replicas = self.num_microbatches, self.replicas
         d = len(replicas)
-        batch = _rows(x)
+        batch = _replicas.batch_rows(x)
         # Replica r takes the r-th 1/D of the batch, cut into M micro-batches on its devices;
         # a batch that D x M does not divide gives slices one sample apart (maybe empty).
         xs = _slices(self._stage_input(x), d, m, [stages[0].device for stages in replicas])
@@ -190,7 +190,7 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         reduction = _loss_reduction(self.loss)
         with tf.device(replicas[0][-1].device):
             flat_sws = None if sws is None else [_one_weight(w) for ws in sws for w in ws]
-            sizes = [_rows(piece) for pieces in xs for piece in pieces]
+            sizes = [_replicas.batch_rows(piece) for pieces in xs for piece in pieces]
             weights = _microbatch_weights(reduction, flat_sws, d * m, sizes=sizes)
         loss_object, terms, shares = keras_compile_loss.compiled_loss(self), [], []
 
@@ -344,11 +344,6 @@ def _slices(value, data_parallel, num_microbatches, devices):
         with tf.device(device):
             out.append(_split_even(piece, num_microbatches))
     return out
-
-
-def _rows(value):
-    """The batch's rows: those of `value`'s first tensor (a tensor, or a list / dict of them)."""
-    return tf.shape(keras.tree.flatten(value)[0])[0]
 
 
 def _one_weight(sample_weight):

@@ -18,7 +18,7 @@ import keras
 
 from tfscale.strategies._partition import BalanceError
 from tfscale.strategies.model_split.graph import graph_split, run_calls
-from tfscale.strategies.pipeline.step import Stage, Unit, _refuse_added_losses, _regularized
+from tfscale.strategies.pipeline.step import Stage, Unit, _recomputed, _refuse_added_losses, _regularized
 
 __all__ = ["GraphStage", "graph_stages"]
 
@@ -45,8 +45,6 @@ class GraphStage(Stage):
 
     def call(self, x, training):
         if self.recompute and training:
-            from tfscale.strategies.pipeline.step import _recomputed
-
             return _recomputed(self, list(x), training)
         return self.pack(self._run(x, training))
 

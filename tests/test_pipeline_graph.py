@@ -172,6 +172,24 @@ def test_two_inputs_two_outputs_with_loss_weights_and_metrics_per_output(structu
     assert sorted(pipelined.partition[-1]["gives"]) == ["kind:0", "score:0"]
 
 
+def test_sample_weights_per_output_train_like_keras():
+    x, y, compile_kwargs = graphs.two_tower_data("dict")
+    rng = np.random.RandomState(5)
+    weights = {
+        "score": rng.uniform(0, 2, 32).astype("float32"),
+        "kind": rng.uniform(0, 2, 32).astype("float32"),
+    }
+    model, twin = seeded_twins(graphs.two_towers("dict"))
+    pipelined = PipelineStrategy(num_stages=2, num_microbatches=4).split(twin)
+    histories = []
+    for m in (model, pipelined):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), **compile_kwargs)
+        fitted = m.fit(x, y, sample_weight=weights, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        histories.append(fitted.history)
+    for key in histories[0]:
+        _close(histories[1][key], histories[0][key], key)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
 def test_a_shared_layer_with_its_calls_in_one_stage_trains_like_keras(schedule):
     # Calls in order: shared, middle, shared#1 | sum, out. ZB-H1's W takes each call's part.

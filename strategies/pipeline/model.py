@@ -189,7 +189,10 @@ class PipelinedModel(_replicas.SyncedReplicas, keras.Model):
         sws = _slices(sample_weight, d, m, [stages[-1].device for stages in replicas])
         reduction = _loss_reduction(self.loss)
         with tf.device(replicas[0][-1].device):
-            flat_sws = None if sws is None else [_one_weight(w) for ws in sws for w in ws]
+            # Sample weights weigh the slices under "mean_with_sample_weight" only; there, one
+            # array for every output (`_one_weight`). Per-output weights reach the loss as given.
+            weighted = sws is not None and reduction == "mean_with_sample_weight"
+            flat_sws = [_one_weight(w) for ws in sws for w in ws] if weighted else None
             sizes = [_replicas.batch_rows(piece) for pieces in xs for piece in pieces]
             weights = _microbatch_weights(reduction, flat_sws, d * m, sizes=sizes)
         loss_object, terms, shares = keras_compile_loss.compiled_loss(self), [], []
@@ -362,10 +365,10 @@ def _output_mask(y_pred):
     """The Keras mask of a one-tensor output (None if none); several outputs with one are refused."""
     if tf.is_tensor(y_pred):
         return get_keras_mask(y_pred)
-    names = [i for i, y in enumerate(keras.tree.flatten(y_pred)) if get_keras_mask(y) is not None]
-    if names:
+    positions = [i for i, y in enumerate(keras.tree.flatten(y_pred)) if get_keras_mask(y) is not None]
+    if positions:
         raise StrategyError(
-            f"The model's outputs {names} (flat positions) carry a Keras mask: a pipeline divides a "
+            f"The model's outputs {positions} (flat positions) carry a Keras mask: a pipeline divides a "
             "masked loss by the batch's valid steps for one output only. Expected one output, or "
             "outputs without a mask (a layer split, get('model_split'), takes several masked outputs)."
         )
